@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Host set-up for KeepState, as root, idempotent. Installs gVisor (runsc) from Debian
+# bookworm-backports, debootstrap and the networking tools the runtime needs.
+# The backports suite is added with the mirror already configured in this machine's
+# apt sources: no host name is written here.
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ]; then
+  echo "setup-host: must run as root (sandboxes need namespaces, cgroups and runsc)" >&2
+  exit 1
+fi
+
+stamp=/var/lib/keepstate/.host-setup-v3
+if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null; then
+  exit 0
+fi
+
+# The mirror URI of the first "main" Debian source, from deb822 or one-line sources.
+mirror() {
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    awk '/^URIs:/ {u=$2} /^Suites:/ && / bookworm( |$)/ {print u; exit}' "$f"
+  done
+  if [ -f /etc/apt/sources.list ]; then
+    awk '$1=="deb" && $3=="bookworm" {print $2; exit}' /etc/apt/sources.list
+  fi
+  return 0
+}
+
+bp=/etc/apt/sources.list.d/keepstate-backports.sources
+if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/ ; then
+  uri=$(mirror | head -n1)
+  if [ -z "$uri" ]; then
+    echo "setup-host: no Debian bookworm mirror found in apt sources; add one and retry" >&2
+    exit 1
+  fi
+  cat > "$bp" <<SRC
+Types: deb
+URIs: $uri
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends \
+  debootstrap iproute2 iptables util-linux procps ca-certificates \
+  python3 python3-venv python3-dev gcc make git restic zstd >/dev/null
+apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+
+# Debian prints "runsc version 0.0~20240729.0", upstream "release-20240729.0".
+ver=$(runsc --version 2>/dev/null | sed -n 's/^runsc version .*\(20[0-9]\{6\}\).*/\1/p' | head -n1)
+if [ -z "$ver" ] || [ "$ver" -lt 20240729 ]; then
+  echo "setup-host: runsc release ${ver:-unknown} is too old; need 20240729 or newer" >&2
+  exit 1
+fi
+
+mkdir -p /var/lib/keepstate
+touch "$stamp"
