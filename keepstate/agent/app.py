@@ -1,0 +1,153 @@
+"""The agent's ASGI application: plain HTTP routes, token checks, and the two Connect services.
+
+Routing and auth live here; the work is in `files_http`, `process_service` and `filesystem_service`.
+Connect machinery (connectrpc, protobuf) is imported on the first RPC so an idle agent in the warm pool starts
+fast and stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from keepstate.agent import ENVD_VERSION
+from keepstate.agent.asgi import HTTPError, Receive, Scope, Send, header, read_body, send_empty, send_error, send_json
+from keepstate.agent.auth import UNAUTHORIZED_MESSAGE, token_ok
+from keepstate.agent.reaper import REAPER
+from keepstate.agent.settings import SandboxSettings, SettingsError, parse_init
+
+log = logging.getLogger("keepstate.agent")
+
+_CORS = [
+    (b"access-control-allow-origin", b"*"),
+    (b"access-control-expose-headers", b"*"),
+]
+_PREFLIGHT = _CORS + [
+    (b"access-control-allow-methods", b"GET, POST, PUT, DELETE, OPTIONS"),
+    (b"access-control-allow-headers", b"*"),
+    (b"access-control-max-age", b"7200"),
+]
+
+
+class AgentApp:
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.settings = settings
+        self._rpc: dict[str, Any] | None = None
+        self._process_table: Any = None
+        self._filesystem: Any = None
+        self._supervisor: Any = None
+        self._metrics: Any = None
+
+    # --- lazily built parts -----------------------------------------------------------------------------------
+    def rpc_apps(self) -> dict[str, Any]:
+        if self._rpc is None:
+            from keepstate.agent.filesystem_service import FilesystemService
+            from keepstate.agent.process import ProcessTable
+            from keepstate.agent.process_service import ProcessService
+            from keepstate.agent.proto.filesystem.filesystem_connect import FilesystemASGIApplication
+            from keepstate.agent.proto.process.process_connect import ProcessASGIApplication
+
+            self._process_table = ProcessTable()
+            self._filesystem = FilesystemService(self.settings)
+            process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
+            fs_app = FilesystemASGIApplication(self._filesystem)  # type: ignore[arg-type]
+            self._rpc = {process_app.path + "/": process_app, fs_app.path + "/": fs_app}
+        return self._rpc
+
+    # --- ASGI -------------------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+
+        async def send_with_cors(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + _CORS
+            await send(message)
+
+        try:
+            await self._route(scope, receive, send_with_cors)
+        except HTTPError as e:
+            await send_error(send_with_cors, e.status, e.message)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                REAPER.install(asyncio.get_running_loop())
+                if self.settings.template.services:
+                    from keepstate.agent.services import Supervisor
+
+                    self._supervisor = Supervisor(self.settings)
+                    self._supervisor.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._supervisor is not None:
+                    await self._supervisor.stop()
+                if self._process_table is not None:
+                    self._process_table.kill_all()
+                if self._filesystem is not None:
+                    self._filesystem.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if method == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": _PREFLIGHT})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/health" and method in ("GET", "HEAD"):
+            await send_empty(send, 204)
+            return
+        if path == "/files":
+            from keepstate.agent import files_http
+
+            if method == "GET":
+                await files_http.download(scope, receive, send, self.settings)
+                return
+            if method == "POST":
+                await files_http.upload(scope, receive, send, self.settings)
+                return
+            raise HTTPError(405, f"method {method} not allowed on /files")
+        # Everything below needs the access token (once /init has set one).
+        if not token_ok(self.settings.access_token, header(scope, "x-access-token")):
+            raise HTTPError(401, UNAUTHORIZED_MESSAGE)
+        if path == "/init" and method == "POST":
+            await self._init(receive, send)
+            return
+        if path == "/envs" and method == "GET":
+            await send_json(send, 200, self.settings.env_vars)
+            return
+        if path == "/metrics" and method == "GET":
+            if self._metrics is None:
+                from keepstate.agent.metrics import MetricsSampler
+
+                self._metrics = MetricsSampler()
+            await send_json(send, 200, self._metrics.sample())
+            return
+        if path == "/version" and method == "GET":
+            await send_json(send, 200, {"version": ENVD_VERSION})
+            return
+        if path.startswith("/process.Process/") or path.startswith("/filesystem.Filesystem/"):
+            prefix = path[: path.index("/", 1) + 1]
+            await self.rpc_apps()[prefix](scope, receive, send)
+            return
+        raise HTTPError(404, f"no route for {method} {path}")
+
+    async def _init(self, receive: Receive, send: Send) -> None:
+        body = await read_body(receive, 1 << 20)
+        try:
+            init = parse_init(json.loads(body) if body.strip() else {})
+        except (ValueError, SettingsError) as e:
+            raise HTTPError(400, f"invalid /init body: {e}") from None
+        self.settings.apply(init)
+        await send_empty(send, 204)
+        # The host calls /init right before handing the sandbox out: warm the RPC machinery now, off the
+        # request path, so the first command does not pay for the imports.
+        asyncio.get_running_loop().call_soon(self.rpc_apps)

@@ -1,0 +1,85 @@
+"""Languages a context can run: names, their Jupyter kernels, and per-language env-var code."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+
+# The kernel spec each language runs on (installed by templates/code-interpreter-v1.toml).
+KERNEL_NAMES: dict[str, str] = {
+    "python": "python3",
+    "javascript": "jslab",
+    "typescript": "tslab",
+    "bash": "bash",
+}
+
+_ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash", "py": "python", "python3": "python"}
+
+# Names every language can set: bash rejects anything else, and a name is code in every snippet below.
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class LanguageError(ValueError):
+    """A language or env-var name the bridge cannot run."""
+
+
+def normalize(language: str | None) -> str:
+    """The canonical language name: lower-cased, trimmed, aliases resolved; None means python."""
+    if language is None:
+        return "python"
+    name = language.strip().lower()
+    if not name:
+        return "python"
+    return _ALIASES.get(name, name)
+
+
+def kernel_name(language: str) -> str:
+    try:
+        return KERNEL_NAMES[language]
+    except KeyError:
+        known = ", ".join(sorted(KERNEL_NAMES))
+        raise LanguageError(f"Unsupported language '{language}'; supported: {known}") from None
+
+
+def check_env_names(names: Sequence[str]) -> None:
+    bad = [n for n in names if not _ENV_NAME.match(n)]
+    if bad:
+        raise LanguageError(f"Invalid environment variable name(s): {', '.join(map(repr, bad))}")
+
+
+def env_code(language: str, set_vars: Mapping[str, str], unset: Sequence[str] = ()) -> str | None:
+    """Code that, run silently in a kernel of `language`, sets `set_vars` and removes `unset`.
+
+    Returns None when there is nothing to do. Values are embedded as JSON/shell-quoted literals, so
+    arbitrary values are safe; names must pass `check_env_names`.
+    """
+    check_env_names([*set_vars, *unset])
+    if not set_vars and not unset:
+        return None
+    values = json.dumps(dict(set_vars))
+    gone = json.dumps(list(unset))
+    if language == "python":
+        return (
+            "import os as __ks_os\n"
+            f"__ks_os.environ.update({values})\n"
+            f"for __ks_k in {gone}: __ks_os.environ.pop(__ks_k, None)\n"
+            "del __ks_os\n"
+        )
+    if language in ("javascript", "typescript"):
+        return f"Object.assign(process.env, {values}); for (const k of {gone}) {{ delete process.env[k]; }}"
+    if language == "bash":
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in set_vars.items()]
+        lines += [f"unset {k}" for k in unset]
+        return "\n".join(lines)
+    raise LanguageError(f"Unsupported language '{language}'")
+
+
+def restore_plan(
+    overrides: Mapping[str, str], sandbox_envs: Mapping[str, str]
+) -> tuple[dict[str, str], list[str]]:
+    """What to set and unset after an execution so that `overrides` revert to the sandbox-level values."""
+    back = {k: sandbox_envs[k] for k in overrides if k in sandbox_envs}
+    gone = [k for k in overrides if k not in sandbox_envs]
+    return back, gone

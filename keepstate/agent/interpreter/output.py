@@ -1,0 +1,166 @@
+"""Jupyter messages → the NDJSON lines of `POST /execute` (protocol notes §4). Pure: no I/O.
+
+One `ExecutionOutput` follows one `execute_request`: feed it every iopub and shell message whose
+parent is that request; it returns the lines to stream and tells when the execution is over
+(the kernel went idle *and* the execute_reply arrived, in either order).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+Line = dict[str, Any]
+
+# Jupyter MIME type → key of the SDK's `Result`; anything else goes to `extra`.
+MIME_KEYS: dict[str, str] = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
+}
+
+KEEPALIVE: Line = {"type": "keepalive"}
+END: Line = {"type": "end_of_execution"}
+UNEXPECTED_END: Line = {"type": "unexpected_end_of_execution"}
+
+
+def timestamp(value: object) -> str:
+    """ISO-8601 time of a message (jupyter_client parses header dates into datetimes)."""
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.timezone.utc)
+        return value.isoformat()
+    if isinstance(value, str) and value:
+        return value
+    return dt.datetime.now(dt.timezone.utc).isoformat()
+
+
+def _strip_quotes(text: str) -> str:
+    # A Python str result reprs as 'abc'; the SDK's users expect abc (as E2B's server gives).
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def result_line(bundle: dict[str, Any], is_main_result: bool) -> Line:
+    line: Line = {"type": "result", "is_main_result": is_main_result}
+    extra: dict[str, Any] = {}
+    for mime, value in bundle.items():
+        key = MIME_KEYS.get(mime)
+        if key is None:
+            extra[mime] = value
+        elif key == "text":
+            line["text"] = _strip_quotes(value) if isinstance(value, str) else value
+        else:
+            line[key] = value
+    line["extra"] = extra
+    return line
+
+
+def error_line(name: str, value: str, traceback: list[str] | str) -> Line:
+    # Jupyter tracebacks are lists of (multi-line) strings without trailing newlines.
+    text = traceback if isinstance(traceback, str) else "\n".join(traceback)
+    return {"type": "error", "name": name, "value": value, "traceback": text}
+
+
+@dataclass
+class ExecutionOutput:
+    """Translates the messages of one execute_request. `silent` executions emit nothing."""
+
+    silent: bool = False
+    idle: bool = False
+    reply: dict[str, Any] | None = None
+    _error_sent: bool = False
+    _count_sent: bool = False
+    _stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.idle and self.reply is not None
+
+    @property
+    def aborted(self) -> bool:
+        """The kernel refused the request without running it (tslab does so for 200 ms after an error)."""
+        return self.reply is not None and self.reply.get("status") in ("abort", "aborted")
+
+    @property
+    def failed(self) -> bool:
+        return self._error_sent or (self.reply is not None and self.reply.get("status") == "error")
+
+    def feed(self, msg: dict[str, Any]) -> list[Line]:
+        kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
+        content: dict[str, Any] = msg.get("content") or {}
+        when = timestamp(msg.get("header", {}).get("date"))
+        if kind == "status":
+            if content.get("execution_state") == "idle":
+                self.idle = True
+            return []
+        if kind == "execute_reply":
+            self.reply = content
+            return [] if self.silent else self._on_reply(content)
+        if self.silent:
+            if kind == "error":
+                self._error_sent = True
+            return []
+        if kind == "execute_input":
+            return self._count(content.get("execution_count"))
+        if kind == "stream":
+            name = "stderr" if content.get("name") == "stderr" else "stdout"
+            text = str(content.get("text", ""))
+            if name == "stderr":
+                self._stderr_tail = (self._stderr_tail + [text])[-20:]
+            return [{"type": name, "text": text, "timestamp": when}] if text else []
+        if kind == "execute_result":
+            return [result_line(content.get("data") or {}, True)]
+        if kind == "display_data":
+            return [result_line(content.get("data") or {}, False)]
+        if kind == "error":
+            self._error_sent = True
+            # bash_kernel reports a failing command with an empty name and the exit status as value.
+            return [error_line(str(content.get("ename") or "Error"), str(content.get("evalue", "")),
+                               content.get("traceback") or [])]
+        return []
+
+    def _count(self, count: object) -> list[Line]:
+        if self._count_sent or not isinstance(count, int):
+            return []
+        self._count_sent = True
+        return [{"type": "number_of_executions", "execution_count": count}]
+
+    def _on_reply(self, content: dict[str, Any]) -> list[Line]:
+        if content.get("status") in ("abort", "aborted"):
+            return []
+        # Kernels that publish no execute_input (tslab) still give the count in the reply.
+        lines = self._count(content.get("execution_count"))
+        if content.get("status") == "error" and not self._error_sent:
+            # Kernels that report failure only in the reply (tslab prints the error to stderr).
+            self._error_sent = True
+            stderr = "".join(self._stderr_tail).strip()
+            name, value = str(content.get("ename") or ""), str(content.get("evalue") or "")
+            if not name and not value:
+                name, value = _error_from_text(stderr)
+            lines.append(error_line(name or "Error", value, content.get("traceback") or stderr))
+        return lines
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_$][\w$.]*(?:Error|Exception)|Error): ?(.*)$")
+
+
+def _error_from_text(text: str) -> tuple[str, str]:
+    """Name and message of an error a kernel only printed (Node's `Error: boom` stack layout)."""
+    for line in text.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m:
+            return m.group(1), m.group(2)
+    return "Error", text.splitlines()[-1] if text else "execution failed"

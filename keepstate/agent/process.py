@@ -1,0 +1,401 @@
+"""Processes started through the Process API: spawning (pipes or a PTY), output fan-out, input, signals, exit.
+
+One `ManagedProcess` per child. Output is pushed to every subscribed stream (Start, Connect) as `ProcessEvent`s;
+a stream that goes away does not affect the process. Exited processes stay in the table for `RETAIN_EXITED_S`
+so a late `Connect` still gets start + end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import signal
+import struct
+import subprocess
+import termios
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protobuf import Oneof
+
+from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
+from keepstate.agent.reaper import REAPER, ChildReaper
+from keepstate.agent.users import User
+
+RETAIN_EXITED_S = 30.0
+# After the child exits, wait this long for its pipes to reach EOF: a background grandchild that inherited
+# stdout would otherwise hold the stream open forever (envd behaves the same way from the caller's view).
+DRAIN_GRACE_S = 0.2
+READ_CHUNK = 65536
+
+_GO_SIGNAL_NAMES = {
+    signal.SIGHUP: "hangup", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGILL: "illegal instruction",
+    signal.SIGTRAP: "trace/breakpoint trap", signal.SIGABRT: "aborted", signal.SIGBUS: "bus error",
+    signal.SIGFPE: "floating point exception", signal.SIGKILL: "killed", signal.SIGUSR1: "user defined signal 1",
+    signal.SIGSEGV: "segmentation fault", signal.SIGUSR2: "user defined signal 2", signal.SIGPIPE: "broken pipe",
+    signal.SIGALRM: "alarm clock", signal.SIGTERM: "terminated",
+}
+
+
+class ProcessError(Exception):
+    """Base for errors the Process API reports; `code` is the Connect code name."""
+
+    code = "internal"
+
+
+class ProcessNotFound(ProcessError):
+    code = "not_found"
+
+
+class InvalidProcessRequest(ProcessError):
+    code = "invalid_argument"
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    exit_code: int
+    exited: bool
+    status: str
+    error: str | None
+
+
+def exit_info(wait_status: int) -> ExitInfo:
+    """Go's `ProcessState` rendering of a wait status: "exit status 1", "signal: killed"."""
+    if os.WIFEXITED(wait_status):
+        code = os.WEXITSTATUS(wait_status)
+        text = f"exit status {code}"
+        return ExitInfo(code, True, text, text if code else None)
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
+    text = f"signal: {_GO_SIGNAL_NAMES.get(sig, f'signal {sig}')}"
+    return ExitInfo(-1, False, text, text)
+
+
+def start_event(pid: int) -> ProcessEvent:
+    return ProcessEvent(event=Oneof("start", ProcessEvent.StartEvent(pid=pid)))
+
+
+def data_event(kind: str, data: bytes) -> ProcessEvent:
+    return ProcessEvent(event=Oneof("data", ProcessEvent.DataEvent(output=Oneof(kind, data))))
+
+
+def end_event(info: ExitInfo) -> ProcessEvent:
+    end = ProcessEvent.EndEvent(exit_code=info.exit_code, exited=info.exited, status=info.status)
+    if info.error is not None:
+        end.error = info.error
+    return ProcessEvent(event=Oneof("end", end))
+
+
+KEEPALIVE_EVENT = ProcessEvent(event=Oneof("keepalive", ProcessEvent.KeepAlive()))
+
+
+@dataclass(frozen=True)
+class SpawnSpec:
+    cmd: str
+    args: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: User
+    stdin: bool
+    pty_size: tuple[int, int] | None  # (cols, rows)
+    tag: str | None
+    config: ProcessConfig  # as requested, echoed by List
+
+
+def _set_nonblocking(fd: int) -> None:
+    os.set_blocking(fd, False)
+
+
+def _winsize(cols: int, rows: int) -> bytes:
+    return struct.pack("HHHH", rows, cols, 0, 0)
+
+
+def _make_controlling_tty() -> None:  # runs in the child between fork and exec
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _identity_kwargs(user: User) -> dict[str, object]:
+    if os.geteuid() != 0:
+        return {}  # unprivileged (dev runs): we can only run as ourselves
+    return {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
+
+
+class ManagedProcess:
+    def __init__(self, spec: SpawnSpec, loop: asyncio.AbstractEventLoop) -> None:
+        self.spec = spec
+        self.tag = spec.tag
+        self._loop = loop
+        self._subscribers: set[asyncio.Queue[ProcessEvent | None]] = set()
+        self._readers: dict[int, str] = {}  # fd -> "stdout" | "stderr" | "pty"
+        self._stdin_fd: int | None = None
+        self._pty_fd: int | None = None
+        self._input_lock = asyncio.Lock()
+        self._exit: ExitInfo | None = None
+        self._end: ProcessEvent | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        self.ended = asyncio.Event()
+        self._popen = self._spawn()
+        self.pid = self._popen.pid
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        spec = self.spec
+        common: dict[str, object] = {
+            "cwd": spec.cwd, "env": spec.env, "umask": 0o022, "start_new_session": True, "close_fds": True,
+            **_identity_kwargs(spec.user),
+        }
+        argv = [spec.cmd, *spec.args]
+        try:
+            if spec.pty_size is not None:
+                return self._spawn_pty(argv, common)
+            popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
+                argv, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,  # type: ignore[call-overload]
+            )
+        except OSError as e:
+            raise ProcessError(f"error starting process '{spec.cmd}': {e.strerror or e}") from e
+        assert popen.stdout is not None and popen.stderr is not None
+        # Keep raw fds; drop the file objects so their finalizers don't close them under us.
+        out, err = os.dup(popen.stdout.fileno()), os.dup(popen.stderr.fileno())
+        popen.stdout.close()
+        popen.stderr.close()
+        if popen.stdin is not None:
+            self._stdin_fd = os.dup(popen.stdin.fileno())
+            popen.stdin.close()
+            _set_nonblocking(self._stdin_fd)
+        for fd, kind in ((out, "stdout"), (err, "stderr")):
+            self._add_reader(fd, kind)
+        return popen
+
+    def _spawn_pty(self, argv: list[str], common: dict[str, object]) -> subprocess.Popen[bytes]:
+        cols, rows = self.spec.pty_size or (80, 24)
+        master, slave = os.openpty()
+        try:
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, _winsize(cols, rows))
+            if os.geteuid() == 0:
+                os.fchown(slave, self.spec.user.uid, -1)  # like grantpt: the terminal belongs to its user
+            popen = subprocess.Popen(  # noqa: S603
+                argv, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_make_controlling_tty, **common,  # type: ignore[call-overload]
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        self._pty_fd = master
+        self._add_reader(master, "pty")
+        return popen
+
+    def start(self, reaper: ChildReaper, lifetime_s: float | None) -> None:
+        reaper.watch(self.pid, self._on_exit)
+        if lifetime_s is not None and lifetime_s > 0:
+            self._deadline = self._loop.call_later(lifetime_s, self._kill_quietly)
+
+    def _kill_quietly(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def _on_exit(self, wait_status: int) -> None:
+        self._popen.returncode = os.waitstatus_to_exitcode(wait_status)  # silences Popen's "still running"
+        self._exit = exit_info(wait_status)
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if not self._readers:
+            self._finish()
+        else:
+            self._grace = self._loop.call_later(DRAIN_GRACE_S, self._finish)
+
+    def _finish(self) -> None:
+        if self._end is not None or self._exit is None:
+            return
+        if self._grace is not None:
+            self._grace.cancel()
+        for fd in list(self._readers):
+            self._drain(fd)
+            self._close_reader(fd)
+        for fd in (self._stdin_fd, self._pty_fd):
+            if fd is not None:
+                os.close(fd)
+        self._stdin_fd = self._pty_fd = None
+        self._end = end_event(self._exit)
+        self._broadcast(self._end)
+        self._broadcast(None)
+        self._subscribers.clear()
+        self.ended.set()
+
+    # --- output ----------------------------------------------------------------------------------------------
+    def _add_reader(self, fd: int, kind: str) -> None:
+        _set_nonblocking(fd)
+        self._readers[fd] = kind
+        self._loop.add_reader(fd, self._on_readable, fd)
+
+    def _close_reader(self, fd: int) -> None:
+        kind = self._readers.pop(fd, None)
+        if kind is None:
+            return
+        self._loop.remove_reader(fd)
+        if kind != "pty":  # the pty master doubles as the input fd and is closed in _finish
+            os.close(fd)
+
+    def _read_once(self, fd: int) -> bytes | None:
+        """One chunk, b"" at EOF, None when nothing is ready."""
+        try:
+            return os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno == errno.EIO:  # pty: every slave fd is closed
+                return b""
+            raise
+
+    def _on_readable(self, fd: int) -> None:
+        data = self._read_once(fd)
+        if data is None:
+            return
+        if data:
+            self._broadcast(data_event(self._readers[fd], data))
+            return
+        self._close_reader(fd)
+        if not self._readers and self._exit is not None:
+            self._finish()
+
+    def _drain(self, fd: int) -> None:
+        for _ in range(64):  # bounded: a writer that never stops must not wedge the loop
+            data = self._read_once(fd)
+            if not data:
+                return
+            self._broadcast(data_event(self._readers[fd], data))
+
+    def _broadcast(self, event: ProcessEvent | None) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    # --- API -------------------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._end is None
+
+    @property
+    def end(self) -> ProcessEvent | None:
+        return self._end
+
+    def subscribe(self) -> asyncio.Queue[ProcessEvent | None]:
+        """Live events from now on; the queue receives None after the end event."""
+        queue: asyncio.Queue[ProcessEvent | None] = asyncio.Queue()
+        if self._end is not None:
+            queue.put_nowait(self._end)
+            queue.put_nowait(None)
+        else:
+            self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[ProcessEvent | None]) -> None:
+        self._subscribers.discard(queue)
+
+    def info(self) -> ProcessInfo:
+        info = ProcessInfo(config=self.spec.config, pid=self.pid)
+        if self.tag is not None:
+            info.tag = self.tag
+        return info
+
+    def signal(self, sig: int) -> None:
+        if self._exit is not None:
+            return
+        try:
+            os.killpg(self.pid, sig)  # the whole session: `bash -c` children must not outlive a kill
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            os.kill(self.pid, sig)
+
+    async def write_input(self, kind: str, data: bytes) -> None:
+        if kind == "pty":
+            if self._pty_fd is None:
+                raise ProcessError("process has no pty" if self.spec.pty_size is None else "pty is closed")
+            fd = self._pty_fd
+        else:
+            if self.spec.pty_size is not None:
+                raise ProcessError("cannot send stdin to a pty process, send pty input instead")
+            if self._stdin_fd is None:
+                raise ProcessError("stdin is not enabled or already closed")
+            fd = self._stdin_fd
+        async with self._input_lock:
+            await _write_all(self._loop, fd, data)
+
+    def close_stdin(self) -> None:
+        if self.spec.pty_size is not None:
+            raise ProcessError("cannot close stdin of a pty process, send Ctrl+D (0x04) instead")
+        if self._stdin_fd is not None:
+            os.close(self._stdin_fd)
+            self._stdin_fd = None
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self._pty_fd is None:
+            raise ProcessError("process has no pty")
+        fcntl.ioctl(self._pty_fd, termios.TIOCSWINSZ, _winsize(cols, rows))
+
+
+async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_writer(fd)
+            continue
+        except BrokenPipeError as e:
+            raise ProcessError("stdin is closed: the process stopped reading") from e
+        view = view[n:]
+
+
+class ProcessTable:
+    """Every process started through the API, by pid and by tag."""
+
+    def __init__(self, reaper: ChildReaper = REAPER) -> None:
+        self._by_pid: dict[int, ManagedProcess] = {}
+        self._reaper = reaper
+
+    def start(self, spec: SpawnSpec, lifetime_s: float | None) -> ManagedProcess:
+        loop = asyncio.get_running_loop()
+        self._reaper.install(loop)
+        if spec.tag is not None and any(p.tag == spec.tag and p.running for p in self._by_pid.values()):
+            raise InvalidProcessRequest(f"a running process already has tag '{spec.tag}'")
+        proc = ManagedProcess(spec, loop)
+        self._by_pid[proc.pid] = proc
+        proc.start(self._reaper, lifetime_s)
+        loop.create_task(self._forget_later(proc))
+        return proc
+
+    async def _forget_later(self, proc: ManagedProcess) -> None:
+        await proc.ended.wait()
+        await asyncio.sleep(RETAIN_EXITED_S)
+        if self._by_pid.get(proc.pid) is proc:
+            del self._by_pid[proc.pid]
+
+    def get(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
+        if pid is not None:
+            proc = self._by_pid.get(pid)
+            if proc is not None:
+                return proc
+            raise ProcessNotFound(f"process with pid {pid} not found")
+        if tag is not None:
+            # Prefer a running process when a tag was reused after an exit.
+            matches = [p for p in self._by_pid.values() if p.tag == tag]
+            matches.sort(key=lambda p: p.running, reverse=True)
+            if matches:
+                return matches[0]
+            raise ProcessNotFound(f"process with tag '{tag}' not found")
+        raise InvalidProcessRequest("process selector is empty")
+
+    def running(self) -> Iterable[ManagedProcess]:
+        return [p for p in self._by_pid.values() if p.running]
+
+    def kill_all(self) -> None:
+        for proc in self.running():
+            proc.signal(signal.SIGKILL)

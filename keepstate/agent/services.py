@@ -1,0 +1,92 @@
+"""Template services (e.g. the code interpreter): started with the agent, restarted with backoff when they die."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+
+from keepstate.agent.reaper import REAPER, ChildReaper
+from keepstate.agent.settings import SandboxSettings, ServiceSpec
+from keepstate.agent.users import UnknownUser, lookup_user, process_env
+
+log = logging.getLogger("keepstate.agent.services")
+
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 30.0  # a run this long resets the backoff
+
+
+def next_backoff(previous: float, ran_for: float) -> float:
+    if ran_for >= STABLE_AFTER_S:
+        return INITIAL_BACKOFF_S
+    return min(max(previous * 2, INITIAL_BACKOFF_S), MAX_BACKOFF_S)
+
+
+class Supervisor:
+    def __init__(self, settings: SandboxSettings, reaper: ChildReaper = REAPER) -> None:
+        self._settings = settings
+        self._reaper = reaper
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pids: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+
+    def start(self) -> None:
+        for spec in self._settings.template.services:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive(spec)))
+
+    def _spawn(self, spec: ServiceSpec) -> tuple[int, asyncio.Future[int]]:
+        user = lookup_user(spec.user)
+        env = process_env(user, self._settings.env_vars, spec.env)
+        identity: dict[str, object] = {}
+        if os.geteuid() == 0:
+            identity = {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
+        cwd = user.home if os.path.isdir(user.home) else "/"
+        popen = subprocess.Popen(  # noqa: S603 - commands come from the template
+            spec.command, stdin=subprocess.DEVNULL, cwd=cwd, env=env, umask=0o022, start_new_session=True,
+            close_fds=True, **identity,  # type: ignore[call-overload]
+        )
+        exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_exit(status: int) -> None:
+            popen.returncode = os.waitstatus_to_exitcode(status)
+            if not exited.done():
+                exited.set_result(status)
+
+        self._reaper.watch(popen.pid, on_exit)
+        return popen.pid, exited
+
+    async def _keep_alive(self, spec: ServiceSpec) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while True:
+            started = time.monotonic()
+            try:
+                pid, exited = self._spawn(spec)
+            except (OSError, UnknownUser) as e:
+                log.error("service %s: cannot start: %s", spec.name, e)
+            else:
+                self._pids[spec.name] = pid
+                status = await exited
+                self._pids.pop(spec.name, None)
+                log.warning("service %s exited (status %s); restarting", spec.name, status)
+            backoff = next_backoff(backoff, time.monotonic() - started)
+            self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
+            await asyncio.sleep(backoff)
+
+    def pid(self, name: str) -> int | None:
+        return self._pids.get(name)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for pid in self._pids.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        self._tasks.clear()

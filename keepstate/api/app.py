@@ -1,0 +1,124 @@
+"""One listener for the control plane and the data-plane router.
+
+Dispatch is by headers, not paths (paths collide: /health exists on the API, the agent and
+the code interpreter): a request naming a sandbox goes to the router, anything else to the
+REST API. Every error leaves as JSON {"code", "message"}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from keepstate.db.catalog import Catalog
+from keepstate.errors import KeepStateError, Unauthorized
+from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.sandbox.manager import SandboxManager
+
+from . import control
+from .router import Router, target_of
+
+log = logging.getLogger("keepstate.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_JSON_BODY = 1 << 20
+
+
+@dataclass
+class ServerConfig:
+    home: Path
+    host: str = "127.0.0.1"
+    port: int = 3000
+    pool_size: int = 2
+    warm_templates: tuple[str, ...] = ("base",)
+    open_ports: tuple[int, ...] = field(default_factory=tuple)
+    reap_on_exit: bool = False
+
+
+def _envd_version() -> str:
+    try:
+        from keepstate.agent import ENVD_VERSION
+
+        return str(ENVD_VERSION)
+    except ImportError:
+        return "0.6.13"
+
+
+class KeyCache:
+    """API keys checked against the catalog, remembered briefly so each request is cheap."""
+
+    def __init__(self, catalog: Catalog, ttl: float = 5.0) -> None:
+        self.catalog = catalog
+        self.ttl = ttl
+        self._seen: dict[str, tuple[float, str | None]] = {}
+
+    def check(self, key: str | None) -> str:
+        if not key:
+            raise Unauthorized("missing API key: send it in the X-API-KEY header (see `keepstate keys create`)")
+        now = time.monotonic()
+        hit = self._seen.get(key)
+        if hit is None or hit[0] < now:
+            found = self.catalog.find_key(key)
+            hit = (now + self.ttl, found.id if found else None)
+            self._seen[key] = hit
+        if hit[1] is None:
+            raise Unauthorized("invalid API key")
+        return hit[1]
+
+
+def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> web.Application:
+    catalog = Catalog(config.home / "catalog.sqlite")
+    runtime = runtime or GVisorRuntime(config.home / "sandboxes")
+    envd_version = _envd_version()
+    manager = SandboxManager(catalog, runtime, pool_size=config.pool_size, agent_version=envd_version)
+    router = Router(manager)
+    keys = KeyCache(catalog)
+
+    @web.middleware
+    async def dispatch(request: web.Request, handler: Handler) -> web.StreamResponse:
+        target = target_of(request)
+        if target is not None:
+            return await router.handle(request, *target)
+        if request.path == "/files" and "signature" in request.query:
+            row = router.match_signed_file(request)
+            if row is None:
+                return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
+            return await router.handle(request, row.sandbox_id, 49983)
+        try:
+            if request.path != "/health":
+                request["api_key_id"] = keys.check(request.headers.get("X-API-KEY"))
+            return await handler(request)
+        except KeepStateError as exc:
+            return control.error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
+                                     status=500, headers={"Should-Retry": "false"})
+
+    app = web.Application(middlewares=[dispatch], client_max_size=MAX_JSON_BODY, handler_args={"max_field_size": 65536})
+    app["manager"] = manager
+    app["catalog"] = catalog
+    app["router"] = router
+    app["envd_version"] = envd_version
+    app.add_routes(control.routes)
+
+    async def on_startup(app: web.Application) -> None:
+        await router.start()
+        await manager.start(open_ports=config.open_ports, warm=config.warm_templates)
+
+    async def on_cleanup(app: web.Application) -> None:
+        await manager.stop(reap=config.reap_on_exit)
+        await router.stop()
+        catalog.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

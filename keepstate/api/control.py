@@ -1,0 +1,141 @@
+"""Control-plane handlers: E2B's REST API (shared/docs/e2b-protocol.md section 2).
+
+Handlers parse with schemas.py, call the SandboxManager and render; nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
+from keepstate.sandbox.manager import SandboxManager
+
+from . import schemas
+
+routes = web.RouteTableDef()
+
+
+def manager(request: web.Request) -> SandboxManager:
+    return request.app["manager"]  # type: ignore[no-any-return]
+
+
+def envd_version(request: web.Request) -> str:
+    return request.app["envd_version"]  # type: ignore[no-any-return]
+
+
+async def json_body(request: web.Request, required: bool = True) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest("request body must be JSON")
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+def sid(request: web.Request) -> str:
+    value = request.match_info["sandbox_id"]
+    # The SDK may send "<id>-<clientID>" from very old versions; the ID is the part before '-'.
+    return value.split("-")[0]
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "message": "Health check successful"})
+
+
+@routes.post("/v2/sandboxes")
+@routes.post("/sandboxes")
+async def create(request: web.Request) -> web.Response:
+    req = schemas.parse_create(await json_body(request))
+    row = await manager(request).create(req, request.get("api_key_id"))
+    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201)
+
+
+@routes.post("/v2/sandboxes/{sandbox_id}/connect")
+@routes.post("/sandboxes/{sandbox_id}/connect")
+async def connect(request: web.Request) -> web.Response:
+    timeout = schemas.parse_timeout_body(await json_body(request, required=False), required=False)
+    if timeout <= 0:
+        raise BadRequest("`timeout` must be a positive number of seconds")
+    try:
+        row, resumed = await manager(request).connect(sid(request), timeout)
+    except NotFound:
+        raise NotFound(f"Paused sandbox {sid(request)} not found") from None
+    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201 if resumed else 200)
+
+
+@routes.get("/sandboxes/{sandbox_id}")
+async def get_info(request: web.Request) -> web.Response:
+    row = manager(request).get(sid(request))
+    return web.json_response(schemas.detail(row, envd_version(request)))
+
+
+@routes.delete("/sandboxes/{sandbox_id}")
+async def kill(request: web.Request) -> web.Response:
+    await manager(request).kill(sid(request))
+    return web.Response(status=204)
+
+
+@routes.post("/sandboxes/{sandbox_id}/timeout")
+async def set_timeout(request: web.Request) -> web.Response:
+    seconds = schemas.parse_timeout_body(await json_body(request), required=True)
+    await manager(request).set_timeout(sid(request), seconds)
+    return web.Response(status=204)
+
+
+@routes.get("/v2/sandboxes")
+async def list_v2(request: web.Request) -> web.Response:
+    rows = manager(request).listed()
+    page, token = schemas.filter_and_page(rows, dict(request.query))
+    headers = {"X-Total-Running": str(sum(1 for r in rows if r.state == "running"))}
+    if token:
+        headers["X-Next-Token"] = token
+    return web.json_response([schemas.listed(r, envd_version(request)) for r in page], headers=headers)
+
+
+@routes.get("/sandboxes")
+async def list_v1(request: web.Request) -> web.Response:
+    query = {"state": "running", "limit": "100"}
+    if request.query.get("metadata"):
+        query["metadata"] = request.query["metadata"]
+    rows = manager(request).listed()
+    out = []
+    while True:
+        page, token = schemas.filter_and_page(rows, query)
+        out.extend(page)
+        if not token:
+            break
+        query["nextToken"] = token
+    return web.json_response([schemas.listed(r, envd_version(request)) for r in out])
+
+
+@routes.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    def num(name: str) -> float | None:
+        v = request.query.get(name)
+        if v is None:
+            return None
+        try:
+            return float(v)
+        except ValueError:
+            raise BadRequest(f"`{name}` must be a unix time in seconds") from None
+
+    samples = manager(request).metric_samples(sid(request), num("start"), num("end"))
+    return web.json_response(samples)
+
+
+@routes.post("/sandboxes/{sandbox_id}/pause")
+async def pause(request: web.Request) -> web.Response:
+    manager(request).get(sid(request))
+    raise Unsupported("pause is not available on this server yet: sandboxes can be killed, not paused")
+
+
+def error_response(exc: KeepStateError) -> web.Response:
+    headers = {"Should-Retry": "false"} if exc.status >= 500 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)

@@ -1,0 +1,192 @@
+"""The data-plane router: requests for a sandbox go to the sandbox, streamed both ways.
+
+A request is for a sandbox when it carries `E2b-Sandbox-Id`/`E2b-Sandbox-Port` (what the
+SDK sends when E2B_SANDBOX_URL is set), when its Host is `<port>-<sandboxID>.<domain>`, or
+when it is a signed `/files` URL (the only header-less data-plane request: it is matched to
+the sandbox whose access token produced the signature). Port 49983 is the agent, any other
+port is proxied to that port inside the sandbox, WebSockets included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import re
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from keepstate.db.catalog import SandboxRow
+from keepstate.sandbox.manager import SandboxManager
+
+AGENT_PORT = 49983
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+        "transfer-encoding", "upgrade", "host", "content-length"}
+_HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
+# Paths of the agent that only the host may call.
+_PRIVATE = {"/init"}
+
+
+def not_found(sandbox_id: str) -> web.Response:
+    return web.json_response({"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502},
+                             status=502)
+
+
+def port_closed(sandbox_id: str, port: int) -> web.Response:
+    return web.json_response({"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open",
+                              "port": port, "code": 502}, status=502)
+
+
+def target_of(request: web.Request) -> tuple[str, int] | None:
+    sid = request.headers.get("E2b-Sandbox-Id")
+    if sid:
+        try:
+            port = int(request.headers.get("E2b-Sandbox-Port", AGENT_PORT))
+        except ValueError:
+            port = AGENT_PORT
+        return sid, port
+    m = _HOST.match(request.host or "")
+    if m:
+        return m.group(2), int(m.group(1))
+    return None
+
+
+def file_signature(path: str, op: str, user: str, token: str, exp: str | None) -> str:
+    raw = f"{path}:{op}:{user}:{token}" + (f":{exp}" if exp else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
+
+
+class Router:
+    def __init__(self, manager: SandboxManager) -> None:
+        self.manager = manager
+        self._client: aiohttp.ClientSession | None = None
+        # Transports of in-flight requests per sandbox (requests themselves are not hashable).
+        self._inflight: dict[str, set[asyncio.BaseTransport]] = defaultdict(set)
+        manager.kill_listeners.append(self.abort)
+
+    async def start(self) -> None:
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def stop(self) -> None:
+        if self._client:
+            await self._client.close()
+
+    def abort(self, sandbox_id: str) -> None:
+        """Drop every in-flight stream of a sandbox that was killed, paused or timed out."""
+        for transport in list(self._inflight.pop(sandbox_id, ())):
+            transport.close()
+
+    def match_signed_file(self, request: web.Request) -> SandboxRow | None:
+        sig = request.query.get("signature")
+        path = request.query.get("path")
+        if request.path != "/files" or not sig or path is None:
+            return None
+        op = "read" if request.method == "GET" else "write"
+        user = request.query.get("username", "")
+        exp = request.query.get("signature_expiration")
+        for row in list(self.manager.live.values()):
+            if file_signature(path, op, user, row.access_token, exp) == sig:
+                return row
+        return None
+
+    async def handle(self, request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
+        row = self.manager.route(sandbox_id)
+        if row is None:
+            return not_found(sandbox_id)
+        if port == AGENT_PORT and request.path in _PRIVATE:
+            return web.json_response({"code": 403, "message": f"{request.path} is reserved for the host"},
+                                     status=403)
+        transport = request.transport
+        if transport is not None:
+            self._inflight[sandbox_id].add(transport)
+        try:
+            if request.headers.get("Upgrade", "").lower() == "websocket":
+                return await self._websocket(request, row, port)
+            return await self._http(request, row, port)
+        finally:
+            if transport is not None:
+                self._inflight.get(sandbox_id, set()).discard(transport)
+
+    async def _http(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
+        assert self._client is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        data: Any = None
+        if request.body_exists:
+            if request.content_length is not None:
+                headers["Content-Length"] = str(request.content_length)
+            data = request.content.iter_any()
+        url = f"http://{row.address}:{port}{request.rel_url}"
+        try:
+            upstream_cm = self._client.request(request.method, url, headers=headers, data=data,
+                                               allow_redirects=False, compress=None)
+            upstream = await upstream_cm.__aenter__()
+        except aiohttp.ClientConnectorError:
+            if self.manager.route(row.sandbox_id) is None:
+                return not_found(row.sandbox_id)
+            return port_closed(row.sandbox_id, port)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return not_found(row.sandbox_id)
+        try:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for k, v in upstream.headers.items():
+                if k.lower() not in _HOP:
+                    resp.headers.add(k, v)
+            if upstream.headers.get("Content-Length") is not None and "Transfer-Encoding" not in upstream.headers:
+                resp.content_length = int(upstream.headers["Content-Length"])
+            await resp.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                # The sandbox went away mid-stream: end the client's connection uncleanly so the
+                # SDK sees an interrupted stream, not a stream that ended normally.
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            await upstream_cm.__aexit__(None, None, None)
+
+    async def _websocket(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
+        assert self._client is not None
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")}
+        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        try:
+            upstream = await self._client.ws_connect(f"http://{row.address}:{port}{request.rel_url}",
+                                                     headers=headers, protocols=protocols)
+        except aiohttp.ClientConnectorError:
+            return port_closed(row.sandbox_id, port)
+        except aiohttp.WSServerHandshakeError as exc:
+            return web.json_response({"code": exc.status, "message": f"websocket refused: {exc.message}"},
+                                     status=exc.status if 400 <= exc.status < 600 else 502)
+        ws = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else ())
+        await ws.prepare(request)
+
+        async def pump(src: Any, dst: Any) -> None:
+            async for msg in src:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    await dst.send_str(msg.data)
+                elif msg.type == aiohttp.WSMsgType.BINARY:
+                    await dst.send_bytes(msg.data)
+                else:
+                    break
+            await dst.close()
+
+        tasks = [asyncio.ensure_future(pump(ws, upstream)), asyncio.ensure_future(pump(upstream, ws))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await upstream.close()
+            await ws.close()
+        return ws

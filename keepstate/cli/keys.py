@@ -1,0 +1,83 @@
+"""`keepstate keys`: API keys for the control plane (sent by SDKs as X-API-KEY)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from keepstate.config import home
+from keepstate.db.catalog import Catalog
+
+from .common import emit_json, fail, home_option
+
+DEV_KEY_FILE = "dev-api-key"
+
+
+def _catalog() -> Catalog:
+    return Catalog(home() / "catalog.sqlite")
+
+
+@click.group()
+def keys() -> None:
+    """Create, list and revoke API keys.
+
+    \b
+    Examples:
+      keepstate keys create ci-runner     # prints the key once; store it
+      keepstate keys ls --json
+      keepstate keys revoke key_1a2b3c4d5e6f
+    """
+
+
+@keys.command("create")
+@click.argument("name")
+@home_option
+def create(name: str) -> None:
+    """Create a key called NAME and print it (it is shown only this once)."""
+    key, secret = _catalog().create_key(name)
+    click.echo(secret)
+    click.echo(f"created {key.id} ({name}); export E2B_API_KEY={secret}", err=True)
+
+
+@keys.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@home_option
+def ls(as_json: bool) -> None:
+    """List keys (never their secrets)."""
+    rows = _catalog().list_keys()
+    if as_json:
+        emit_json([k.__dict__ for k in rows])
+        return
+    click.echo(f"{'ID':<18} {'NAME':<20} {'PREFIX':<8} {'CREATED':<20} STATUS")
+    for k in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(k.created_at))
+        click.echo(f"{k.id:<18} {k.name:<20} {k.prefix:<8} {created:<20} {'revoked' if k.revoked_at else 'active'}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@home_option
+def revoke(key_id: str) -> None:
+    """Revoke the key with ID KEY_ID (see `keepstate keys ls`)."""
+    if not _catalog().revoke_key(key_id):
+        fail(f"no active key with id {key_id}; see `keepstate keys ls`")
+    click.echo(f"revoked {key_id}", err=True)
+
+
+@keys.command("dev")
+@home_option
+def dev() -> None:
+    """Print the development key, creating it on first use (used by `make up`)."""
+    path = home() / DEV_KEY_FILE
+    cat = _catalog()
+    if path.exists():
+        secret = path.read_text().strip()
+        if cat.find_key(secret):
+            click.echo(secret)
+            return
+    _, secret = cat.create_key("development")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    click.echo(secret)

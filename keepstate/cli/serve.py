@@ -1,0 +1,57 @@
+"""`keepstate serve`: the API server and data-plane router on one listener."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+from keepstate.config import home
+
+from .common import home_option
+
+
+@click.command()
+@click.option("--listen", default="127.0.0.1:3000", show_default=True, help="HOST:PORT to listen on.")
+@click.option("--pool-size", default=2, show_default=True, type=int,
+              help="Pre-started sandboxes kept ready per template (0 disables the warm pool).")
+@click.option("--warm", default="base", show_default=True,
+              help="Comma-separated templates to build (if needed) and keep warm at start.")
+@click.option("--reap-on-exit", is_flag=True,
+              help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@home_option
+def serve(listen: str, pool_size: int, warm: str, reap_on_exit: bool, log_level: str) -> None:
+    """Run the E2B-compatible API and the data-plane router.
+
+    \b
+    Point the stock E2B SDK at it:
+      export E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000
+      export E2B_API_KEY=$(keepstate keys dev)
+
+    Sandboxes outlive the server: stop it (or kill -9 it) and start it again, and it
+    re-adopts every sandbox that is still running.
+    """
+    from aiohttp import web
+
+    from keepstate.api.app import ServerConfig, create_app
+    from keepstate.template import builder
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, _, port = listen.rpartition(":")
+    warm_names = tuple(w for w in warm.split(",") if w)
+    for name in warm_names:
+        builder.ensure_built(name)
+    config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
+                          warm_templates=warm_names, reap_on_exit=reap_on_exit)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    click.echo(f"keepstate: serving on http://{config.host}:{config.port} (data in {config.home})", err=True)
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
+                access_log=None, handle_signals=True, shutdown_timeout=5)

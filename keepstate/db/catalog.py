@@ -1,0 +1,195 @@
+"""The catalog: API keys and sandboxes, in SQLite (WAL) behind a small interface.
+
+Everything the server must remember across a crash lives here, so a server killed with
+SIGKILL and started again re-adopts every live sandbox. The interface is narrow on purpose
+so PostgreSQL can back it later; SQL stays in this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    key_hash TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    template_id TEXT NOT NULL,
+    template_digest TEXT NOT NULL,
+    runtime_name TEXT NOT NULL,
+    slot INTEGER NOT NULL,
+    address TEXT NOT NULL,
+    access_token TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    end_at REAL NOT NULL,
+    cpu REAL NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    api_key_id TEXT,
+    doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+"""
+
+
+@dataclass
+class ApiKey:
+    id: str
+    name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+@dataclass
+class SandboxRow:
+    """One sandbox, in every state: pooled (pre-started, unclaimed), running, paused, killed."""
+
+    sandbox_id: str
+    state: str
+    template_id: str
+    template_digest: str
+    runtime_name: str
+    slot: int
+    address: str
+    access_token: str
+    started_at: float
+    end_at: float
+    cpu: float
+    memory_mb: int
+    api_key_id: str | None = None
+    doc: dict[str, Any] = field(default_factory=dict)  # metadata, envVars, lifecycle, ...
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Catalog:
+    """SQLite-backed; one connection guarded by a lock (calls are short)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _q(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- API keys ------------------------------------------------------------------
+    def create_key(self, name: str, key: str | None = None) -> tuple[ApiKey, str]:
+        key = key or "ks_" + secrets.token_hex(20)
+        k = ApiKey(id="key_" + secrets.token_hex(6), name=name, prefix=key[:7], created_at=time.time())
+        self._q("INSERT INTO api_keys (id,name,key_hash,prefix,created_at) VALUES (?,?,?,?,?)",
+                (k.id, k.name, hash_key(key), k.prefix, k.created_at))
+        return k, key
+
+    def find_key(self, key: str) -> ApiKey | None:
+        rows = self._q("SELECT * FROM api_keys WHERE key_hash=? AND revoked_at IS NULL", (hash_key(key),))
+        return self._key(rows[0]) if rows else None
+
+    def list_keys(self) -> list[ApiKey]:
+        return [self._key(r) for r in self._q("SELECT * FROM api_keys ORDER BY created_at")]
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("UPDATE api_keys SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
+                                   (time.time(), key_id))
+            return cur.rowcount > 0
+
+    @staticmethod
+    def _key(r: sqlite3.Row) -> ApiKey:
+        return ApiKey(id=r["id"], name=r["name"], prefix=r["prefix"], created_at=r["created_at"],
+                      revoked_at=r["revoked_at"])
+
+    def get_meta(self, k: str) -> str | None:
+        rows = self._q("SELECT v FROM meta WHERE k=?", (k,))
+        return rows[0]["v"] if rows else None
+
+    def set_meta(self, k: str, v: str) -> None:
+        self._q("INSERT INTO meta (k,v) VALUES (?,?) ON CONFLICT(k) DO UPDATE SET v=excluded.v", (k, v))
+
+    # -- sandboxes -----------------------------------------------------------------
+    def put_sandbox(self, s: SandboxRow) -> None:
+        self._q(
+            "INSERT INTO sandboxes (sandbox_id,state,template_id,template_digest,runtime_name,slot,address,"
+            "access_token,started_at,end_at,cpu,memory_mb,api_key_id,doc) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+            "ON CONFLICT(sandbox_id) DO UPDATE SET state=excluded.state, template_id=excluded.template_id, "
+            "template_digest=excluded.template_digest, runtime_name=excluded.runtime_name, slot=excluded.slot, "
+            "address=excluded.address, access_token=excluded.access_token, started_at=excluded.started_at, "
+            "end_at=excluded.end_at, cpu=excluded.cpu, memory_mb=excluded.memory_mb, "
+            "api_key_id=excluded.api_key_id, doc=excluded.doc",
+            (s.sandbox_id, s.state, s.template_id, s.template_digest, s.runtime_name, s.slot, s.address,
+             s.access_token, s.started_at, s.end_at, s.cpu, s.memory_mb, s.api_key_id, json.dumps(s.doc)),
+        )
+
+    def rename_sandbox(self, old_id: str, new: SandboxRow) -> None:
+        """Claim a pooled sandbox under its public ID, atomically."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (old_id,))
+                self._db.execute(
+                    "INSERT INTO sandboxes (sandbox_id,state,template_id,template_digest,runtime_name,slot,"
+                    "address,access_token,started_at,end_at,cpu,memory_mb,api_key_id,doc) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (new.sandbox_id, new.state, new.template_id, new.template_digest, new.runtime_name,
+                     new.slot, new.address, new.access_token, new.started_at, new.end_at, new.cpu,
+                     new.memory_mb, new.api_key_id, json.dumps(new.doc)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        self._q("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
+        rows = self._q("SELECT * FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        return self._sandbox(rows[0]) if rows else None
+
+    def sandboxes(self, states: tuple[str, ...] | None = None) -> list[SandboxRow]:
+        if states:
+            marks = ",".join("?" * len(states))
+            rows = self._q(f"SELECT * FROM sandboxes WHERE state IN ({marks})", states)
+        else:
+            rows = self._q("SELECT * FROM sandboxes")
+        return [self._sandbox(r) for r in rows]
+
+    def used_slots(self) -> set[int]:
+        return {r["slot"] for r in self._q("SELECT slot FROM sandboxes WHERE slot >= 0")}
+
+    @staticmethod
+    def _sandbox(r: sqlite3.Row) -> SandboxRow:
+        return SandboxRow(
+            sandbox_id=r["sandbox_id"], state=r["state"], template_id=r["template_id"],
+            template_digest=r["template_digest"], runtime_name=r["runtime_name"], slot=r["slot"],
+            address=r["address"], access_token=r["access_token"], started_at=r["started_at"],
+            end_at=r["end_at"], cpu=r["cpu"], memory_mb=r["memory_mb"], api_key_id=r["api_key_id"],
+            doc=json.loads(r["doc"]),
+        )

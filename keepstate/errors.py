@@ -1,0 +1,61 @@
+"""The one error hierarchy; every HTTP error renders as JSON {"code": <int>, "message": <str>}.
+
+    KeepStateError            500, base of everything we raise on purpose
+    ├── BadRequest            400  malformed input: says which field and what is allowed
+    ├── Unauthorized          401  missing or wrong API key / access token
+    ├── NotFound              404  unknown sandbox, template, snapshot, checkpoint
+    ├── Conflict              409  illegal in the current lifecycle state (already paused, ...)
+    ├── PayloadTooLarge       413
+    ├── Unavailable           503  capacity or a dependency is missing right now (retryable)
+    ├── Refused               422  understood but refused for safety (e.g. incompatible restore)
+    └── Unsupported           501  a feature this server does not offer (said loudly, never ignored)
+"""
+
+from __future__ import annotations
+
+
+class KeepStateError(Exception):
+    status = 500
+
+    def __init__(self, message: str, *, error_code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.error_code = error_code
+
+    def body(self) -> dict[str, object]:
+        out: dict[str, object] = {"code": self.status, "message": self.message}
+        if self.error_code:
+            out["error_code"] = self.error_code
+        return out
+
+
+class BadRequest(KeepStateError):
+    status = 400
+
+
+class Unauthorized(KeepStateError):
+    status = 401
+
+
+class NotFound(KeepStateError):
+    status = 404
+
+
+class Conflict(KeepStateError):
+    status = 409
+
+
+class PayloadTooLarge(KeepStateError):
+    status = 413
+
+
+class Refused(KeepStateError):
+    status = 422
+
+
+class Unavailable(KeepStateError):
+    status = 503
+
+
+class Unsupported(KeepStateError):
+    status = 501

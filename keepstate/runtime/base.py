@@ -1,0 +1,88 @@
+"""The runtime seam: what a sandbox engine must do, whatever isolates the sandbox.
+
+gVisor (`runsc`) implements it today; a microVM runtime can implement the same five
+operations later without the API, the store or the agent changing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits enforced by the host (cgroups), not by the sandbox."""
+
+    cpu: float = 2.0
+    memory_mb: int = 512
+    pids: int = 1024
+
+
+@dataclass(frozen=True)
+class TemplateRoot:
+    """A built template as the runtime needs it: a read-only root and its identity."""
+
+    template_id: str
+    digest: str
+    rootfs: Path
+
+
+@dataclass
+class SandboxSpec:
+    """What to start. `name` is the runtime-level name, unique on this host."""
+
+    name: str
+    template: TemplateRoot
+    limits: Limits
+    hostname: str = "sandbox"
+
+
+@dataclass
+class Endpoint:
+    """How the host reaches a sandbox: its address and the agent's port.
+
+    This is the exec channel: the agent inside serves processes and files on it.
+    """
+
+    address: str
+    agent_port: int = 49983
+
+    def url(self, port: int | None = None) -> str:
+        return f"http://{self.address}:{port or self.agent_port}"
+
+
+@dataclass
+class Handle:
+    """A running sandbox as the runtime knows it; persisted so a new server can re-adopt it."""
+
+    name: str
+    endpoint: Endpoint
+    slot: int
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class RuntimeFailure(Exception):
+    """A runtime operation failed; the message says what and how to fix it."""
+
+
+class Runtime(Protocol):
+    kind: str
+
+    def create(self, spec: SandboxSpec) -> Handle:
+        """Start a sandbox and return once its root process runs (not yet its agent)."""
+
+    def is_alive(self, handle: Handle) -> bool: ...
+
+    def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
+        """Write a consistent image of memory, processes and files into image_dir."""
+
+    def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        """Start a new sandbox from an image written by checkpoint()."""
+
+    def destroy(self, handle: Handle) -> None:
+        """Stop the sandbox and release everything it held; idempotent."""
+
+    def cgroup_stats(self, handle: Handle) -> dict[str, int]:
+        """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit."""

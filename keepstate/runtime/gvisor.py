@@ -1,0 +1,251 @@
+"""The gVisor runtime: one sandbox is one `runsc` container on the systrap platform.
+
+The template root is mounted read-only with an in-memory overlay (`--overlay2=root:memory`)
+so the sandbox's file writes live inside gVisor and are part of every checkpoint image.
+Each sandbox runs in its own network namespace (see network.py) and cgroup.
+
+Every `runsc` command runs in a private mount namespace with a tmpfs over /proc/sys/net:
+runsc 20240729 decides "am I in the root network namespace" by the existence of
+/proc/sys/net/core/rmem_default, which exists in every namespace on kernels this new, and
+would refuse to start (docs: shared host-notes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import keepstate
+
+from . import network
+from .base import Endpoint, Handle, Limits, RuntimeFailure, SandboxSpec
+
+AGENT_PORT = 49983
+CGROUP_PARENT = "keepstate"
+_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_PTRACE", "CAP_SYS_ADMIN",
+]
+_SHIM = "mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && exec \"$@\""
+
+
+def agent_command() -> list[str]:
+    # tini is PID 1: it reaps orphans so the agent does not have to.
+    return ["/usr/bin/tini", "-s", "-g", "--", "/usr/bin/python3", "-m", "keepstate.agent"]
+
+
+def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, Any]:
+    """The OCI bundle config for a sandbox: pure, so tests can check it without runsc."""
+    limits = spec.limits
+    caps = list(_CAPS)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": agent_command(),
+            "env": [
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "PYTHONPATH=/opt/keepstate/lib:/opt/keepstate/site",
+                "PYTHONDONTWRITEBYTECODE=1",
+                "PYTHONUNBUFFERED=1",
+                "HOME=/root",
+                "LANG=C.UTF-8",
+            ],
+            "cwd": "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "inheritable", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+            "noNewPrivileges": False,
+        },
+        "root": {"path": str(spec.template.rootfs), "readonly": True},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/opt/keepstate/lib/keepstate", "type": "bind", "source": str(lib_dir),
+             "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "network", "path": link.netns_path},
+            ],
+            "cgroupsPath": f"/{CGROUP_PARENT}/{spec.name}",
+            "resources": {
+                "memory": {"limit": limits.memory_mb * 1024 * 1024},
+                "cpu": {"quota": int(limits.cpu * 100_000), "period": 100_000},
+                "pids": {"limit": limits.pids},
+            },
+        },
+    }
+
+
+def runsc_release() -> str:
+    """The runsc release date, e.g. "20240729": a checkpoint restores only on the same one."""
+    out = subprocess.run(["runsc", "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"(20\d{6})", out)
+    if not m:
+        raise RuntimeFailure("runsc not found or unrecognised version; run `make setup` as root")
+    return m.group(1)
+
+
+class GVisorRuntime:
+    kind = "gvisor"
+
+    def __init__(self, state_dir: Path, runsc_root: Path | None = None) -> None:
+        self.state_dir = state_dir
+        self.root = runsc_root or Path("/run/keepstate/runsc")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lib_dir = Path(keepstate.__file__).resolve().parent
+
+    # -- helpers -------------------------------------------------------------------
+    def _global_flags(self) -> list[str]:
+        return [
+            f"--root={self.root}", "--platform=systrap", "--network=sandbox",
+            "--overlay2=root:memory", "--net-disconnect-ok",
+        ]
+
+    def _runsc(self, *args: str, timeout: float = 60, log: Path | None = None,
+               detach_io: bool = False) -> subprocess.CompletedProcess[str]:
+        cmd = ["unshare", "-m", "--", "sh", "-c", _SHIM, "sh", "runsc", *self._global_flags(), *args]
+        if detach_io:
+            # The sandbox outlives us: give it its own session and files, not our pipes.
+            assert log is not None
+            with open(log, "ab") as out:
+                proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                      timeout=timeout, start_new_session=True)
+            return subprocess.CompletedProcess(cmd, proc.returncode, "", "")
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+    def _dir(self, name: str) -> Path:
+        return self.state_dir / name
+
+    def _bundle(self, spec: SandboxSpec, link: network.Link) -> Path:
+        bundle = self._dir(spec.name) / "bundle"
+        bundle.mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(oci_spec(spec, link, self.lib_dir), indent=1))
+        return bundle
+
+    def _handle(self, spec: SandboxSpec, link: network.Link) -> Handle:
+        return Handle(name=spec.name, endpoint=Endpoint(link.sandbox_ip, AGENT_PORT), slot=link.slot)
+
+    def _fail(self, what: str, name: str, proc: subprocess.CompletedProcess[str]) -> RuntimeFailure:
+        log = self._dir(name) / "runsc.log"
+        tail = ""
+        if log.exists():
+            tail = log.read_text(errors="replace")[-800:]
+        return RuntimeFailure(f"runsc {what} of {name} failed ({proc.returncode}): "
+                              f"{(proc.stderr or '').strip()[-800:]} {tail}".strip())
+
+    # -- Runtime -------------------------------------------------------------------
+    def create(self, spec: SandboxSpec, slot: int) -> Handle:
+        link = network.link_for(slot)
+        network.create(link)
+        bundle = self._bundle(spec, link)
+        log = self._dir(spec.name) / "runsc.log"
+        proc = self._runsc("run", "--detach", f"--bundle={bundle}", spec.name, log=log, detach_io=True)
+        if proc.returncode != 0:
+            self.destroy(self._handle(spec, link))
+            raise self._fail("run", spec.name, proc)
+        return self._handle(spec, link)
+
+    def state(self, name: str) -> str:
+        proc = self._runsc("state", name, timeout=20)
+        if proc.returncode != 0:
+            return "gone"
+        try:
+            return str(json.loads(proc.stdout).get("status", "unknown"))
+        except json.JSONDecodeError:
+            return "unknown"
+
+    def is_alive(self, handle: Handle) -> bool:
+        return self.state(handle.name) == "running"
+
+    def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
+        image_dir.mkdir(parents=True, exist_ok=True)
+        args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
+        if leave_running:
+            args.append("--leave-running")
+        proc = self._runsc(*args, handle.name, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeFailure(f"runsc checkpoint of {handle.name} failed: {proc.stderr.strip()[-800:]}")
+
+    def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
+        link = network.link_for(slot)
+        network.create(link)
+        bundle = self._bundle(spec, link)
+        log = self._dir(spec.name) / "runsc.log"
+        proc = self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}",
+                           spec.name, timeout=600, log=log, detach_io=True)
+        if proc.returncode != 0:
+            self.destroy(self._handle(spec, link))
+            raise self._fail("restore", spec.name, proc)
+        return self._handle(spec, link)
+
+    def destroy(self, handle: Handle) -> None:
+        self._runsc("kill", handle.name, "KILL", timeout=20)
+        deadline = time.monotonic() + 5
+        while self.state(handle.name) == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._runsc("delete", "--force", handle.name, timeout=30)
+        network.destroy(network.link_for(handle.slot))
+        shutil.rmtree(self._dir(handle.name), ignore_errors=True)
+
+    def cgroup_stats(self, handle: Handle) -> dict[str, int]:
+        base = Path("/sys/fs/cgroup")
+        rel = f"{CGROUP_PARENT}/{handle.name}"
+        out: dict[str, int] = {}
+
+        def read(controller: str, leaf: str) -> str | None:
+            try:
+                return (base / controller / rel / leaf).read_text()
+            except OSError:
+                return None
+
+        if (v := read("cpuacct", "cpuacct.usage")) is not None:
+            out["cpu_ns"] = int(v)
+        if (v := read("memory", "memory.usage_in_bytes")) is not None:
+            out["mem_used"] = int(v)
+        if (v := read("memory", "memory.limit_in_bytes")) is not None:
+            out["mem_limit"] = int(v)
+        if (v := read("memory", "memory.stat")) is not None:
+            stat = dict(line.split() for line in v.splitlines() if line.count(" ") == 1)
+            out["mem_cache"] = int(stat.get("total_cache", stat.get("cache", 0)))
+            out["mem_used"] = out.get("mem_used", 0) - out["mem_cache"]
+        if (v := read("cpu", "cpu.cfs_quota_us")) is not None:
+            out["cpu_quota_us"] = int(v)
+        return out
+
+    def running_names(self) -> set[str]:
+        proc = self._runsc("list", "--format=json", timeout=20)
+        if proc.returncode != 0:
+            return set()
+        try:
+            items = json.loads(proc.stdout) or []
+        except json.JSONDecodeError:
+            return set()
+        return {i["id"] for i in items if i.get("status") == "running"}
+
+
+def host_cpu_flags() -> list[str]:
+    """CPU feature flags of this host: a memory image may use any of them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def have_runsc() -> bool:
+    return shutil.which("runsc") is not None and os.geteuid() == 0

@@ -1,0 +1,134 @@
+"""Per-sandbox network namespaces reached from the host over a veth pair.
+
+Each sandbox gets a slot N and with it a /30 of 10.88.0.0/16: the host end of the veth
+holds .1, the sandbox .2. Sandboxes cannot reach each other (separate links, no
+forwarding), the host's services (an INPUT filter admits only replies and the ports we
+open on purpose, such as the gateway), or 169.254.169.254 (no route, forwarding dropped).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+from dataclasses import dataclass
+
+BASE = ipaddress.IPv4Network("10.88.0.0/16")
+MAX_SLOTS = BASE.num_addresses // 4
+CHAIN = "KEEPSTATE-IN"
+FWD_CHAIN = "KEEPSTATE-FWD"
+
+
+@dataclass(frozen=True)
+class Link:
+    slot: int
+    netns: str
+    host_if: str
+    host_ip: str
+    sandbox_ip: str
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.netns}"
+
+
+def link_for(slot: int) -> Link:
+    """The names and addresses of slot N: pure, so the same slot always means the same link."""
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"slot {slot} outside 0..{MAX_SLOTS - 1}")
+    net = int(BASE.network_address) + slot * 4
+    return Link(
+        slot=slot,
+        netns=f"ks{slot}",
+        host_if=f"ksv{slot}",
+        host_ip=str(ipaddress.IPv4Address(net + 1)),
+        sandbox_ip=str(ipaddress.IPv4Address(net + 2)),
+    )
+
+
+SLOTS_DIR = "/run/keepstate/slots"
+
+
+def claim_slot(slot: int) -> bool:
+    """Claim a slot host-wide (several servers may share a host), by exclusive file creation."""
+    os.makedirs(SLOTS_DIR, exist_ok=True)
+    try:
+        fd = os.open(f"{SLOTS_DIR}/{slot}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def release_slot(slot: int) -> None:
+    try:
+        os.unlink(f"{SLOTS_DIR}/{slot}")
+    except FileNotFoundError:
+        pass
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise OSError(f"{' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _nsenter(link: Link, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # nsenter, not `ip netns exec`: the latter remounts /sys and breaks cgroup set-up.
+    return _run("nsenter", f"--net={link.netns_path}", *args, check=check)
+
+
+def create(link: Link) -> None:
+    """Create the namespace and veth pair; idempotent (a half-made link is rebuilt)."""
+    destroy(link)
+    _run("ip", "netns", "add", link.netns)
+    peer = f"ksp{link.slot}"
+    _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", peer)
+    _run("ip", "link", "set", peer, "netns", link.netns)
+    _run("ip", "addr", "add", f"{link.host_ip}/30", "dev", link.host_if)
+    _run("ip", "link", "set", link.host_if, "up")
+    _nsenter(link, "ip", "link", "set", peer, "name", "eth0")
+    _nsenter(link, "ip", "link", "set", "lo", "up")
+    _nsenter(link, "ip", "link", "set", "eth0", "up")
+    prepare_for_start(link)
+
+
+def prepare_for_start(link: Link) -> None:
+    """Put the sandbox address back on eth0 before every run or restore.
+
+    runsc moves the interface's addresses into its own netstack, so after a sandbox
+    stopped the namespace has none left.
+    """
+    _nsenter(link, "ip", "addr", "replace", f"{link.sandbox_ip}/30", "dev", "eth0")
+    _nsenter(link, "ip", "route", "replace", "default", "via", link.host_ip, "dev", "eth0")
+
+
+def destroy(link: Link) -> None:
+    _run("ip", "link", "del", link.host_if, check=False)
+    _run("ip", "netns", "del", link.netns, check=False)
+
+
+def exists(link: Link) -> bool:
+    return _run("ip", "netns", "pids", link.netns, check=False).returncode == 0
+
+
+def install_firewall(open_ports: tuple[int, ...] = ()) -> None:
+    """Filter what sandboxes may send to the host, and forbid forwarding between them.
+
+    Rebuilt on every server start so a changed port list takes effect; rules are in
+    their own chains so we never touch anybody else's.
+    """
+    for chain in (CHAIN, FWD_CHAIN):
+        if _run("iptables", "-w", "-N", chain, check=False).returncode != 0:
+            _run("iptables", "-w", "-F", chain)
+    _run("iptables", "-w", "-A", CHAIN, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    for port in open_ports:
+        _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT")
+    _run("iptables", "-w", "-A", CHAIN, "-j", "DROP")
+    _run("iptables", "-w", "-A", FWD_CHAIN, "-j", "DROP")
+    for parent, chain, flag in (("INPUT", CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-o")):
+        rule = [parent, flag, "ksv+", "-j", chain]
+        if _run("iptables", "-w", "-C", *rule, check=False).returncode != 0:
+            _run("iptables", "-w", "-I", *rule)

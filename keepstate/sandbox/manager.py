@@ -1,0 +1,380 @@
+"""The sandbox lifecycle, written down once (docs/design/sandbox-lifecycle.md).
+
+    (pool) --claim--> running --kill / timeout--> killed (row deleted)
+    create (cold) -----^
+
+Every transition is recorded in the catalog before it is visible to clients, so a server
+restarted after SIGKILL re-adopts running and pooled sandboxes from the catalog and the
+runtime's own state, and reaps only what is really gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import string
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from keepstate.db.catalog import Catalog, SandboxRow
+from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Unavailable
+from keepstate.runtime import network
+from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
+from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.template import builder
+from keepstate.template.definition import load as load_definition
+
+from .pool import Pool
+
+log = logging.getLogger("keepstate.sandbox")
+
+DEFAULT_TIMEOUT = 300
+MAX_TIMEOUT = 24 * 3600
+AGENT_READY_TIMEOUT = 60.0
+METRIC_INTERVAL = 5.0
+_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    return "".join(secrets.choice(_ALPHABET) for _ in range(20))
+
+
+@dataclass
+class CreateRequest:
+    template_id: str
+    timeout: int = DEFAULT_TIMEOUT
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    cpu: float | None = None
+    memory_mb: int | None = None
+    allow_internet_access: bool | None = None
+
+
+def check_timeout(value: Any, field_name: str = "timeout") -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"`{field_name}` must be a whole number of seconds")
+    if value > MAX_TIMEOUT:
+        raise BadRequest("Timeout cannot be greater than 24 hours")
+    return int(value)
+
+
+class SandboxManager:
+    def __init__(self, catalog: Catalog, runtime: GVisorRuntime, *, pool_size: int = 2,
+                 agent_version: str = "0.6.13") -> None:
+        self.catalog = catalog
+        self.runtime = runtime
+        self.pool_size = pool_size
+        self.agent_version = agent_version
+        self.pools: dict[str, Pool] = {}
+        self.live: dict[str, SandboxRow] = {}  # running sandboxes by public ID: the router's table
+        self.metrics: dict[str, deque[dict[str, Any]]] = {}
+        self._slots: set[int] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: aiohttp.ClientSession | None = None
+        self._killing: set[str] = set()
+        self._reaping: set[asyncio.Task[None]] = set()
+        self.kill_listeners: list[Any] = []  # callables(sandbox_id) run when a sandbox dies
+
+    # -- start and stop --------------------------------------------------------------
+    async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                           connector=aiohttp.TCPConnector(limit=0))
+        await asyncio.to_thread(network.install_firewall, open_ports)
+        await self._adopt()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._expire_loop(), name="expire"))
+        self._tasks.append(loop.create_task(self._metrics_loop(), name="metrics"))
+        for name in warm:
+            try:
+                built = await asyncio.to_thread(builder.current, name)
+            except KeepStateError:
+                built = None
+            if built is not None:
+                self._pool_for(built).start()
+
+    async def stop(self, reap: bool = False) -> None:
+        """Stop our loops; sandboxes and pools keep running for the next server to adopt.
+
+        With reap=True (tests, throw-away servers) every sandbox of this server is destroyed.
+        """
+        for pool in self.pools.values():
+            await pool.stop()
+        if reap:
+            rows = [r for p in self.pools.values() for r in p.drain()] + list(self.live.values())
+            self.live.clear()
+            await asyncio.gather(*(self._reap(r) for r in rows), return_exceptions=True)
+            await asyncio.gather(*self._reaping, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._http:
+            await self._http.close()
+
+    async def _adopt(self) -> None:
+        rows = self.catalog.sandboxes()
+        alive = await asyncio.to_thread(self.runtime.running_names)
+        for row in rows:
+            self._slots.add(row.slot)
+            if row.state in ("running", "pooled") and row.runtime_name in alive:
+                if row.state == "running":
+                    self.live[row.sandbox_id] = row
+                else:
+                    built = builder.Built(row.template_id, "", row.template_digest, Path(), None, 0)  # type: ignore[arg-type]
+                    self._pool_key_adopt(built, row)
+                log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
+            elif row.state in ("running", "pooled"):
+                log.warning("sandbox %s is gone; reaping", row.sandbox_id)
+                await self._reap(row)
+
+    def _pool_key_adopt(self, built: builder.Built, row: SandboxRow) -> None:
+        pool = self.pools.get(row.template_digest)
+        if pool is None:
+            pool = self.pools[row.template_digest] = Pool(row.template_digest, self.pool_size,
+                                                          lambda: self._start_pooled(row.template_id))
+        pool.adopt(row)
+
+    def _pool_for(self, built: builder.Built) -> Pool:
+        pool = self.pools.get(built.digest)
+        if pool is None:
+            pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
+                                                   lambda: self._start_pooled(built.name))
+        return pool
+
+    # -- starting sandboxes ---------------------------------------------------------
+    def _alloc_slot(self) -> int:
+        for slot in range(1, network.MAX_SLOTS):
+            if slot not in self._slots and network.claim_slot(slot):
+                self._slots.add(slot)
+                return slot
+        raise Unavailable("no free network slots on this host")
+
+    async def _start(self, built: builder.Built, limits: Limits, state: str) -> SandboxRow:
+        slot = self._alloc_slot()
+        name = "ks-" + secrets.token_hex(8)
+        spec = SandboxSpec(name=name, template=TemplateRoot(built.name, built.digest, built.rootfs),
+                           limits=limits)
+        now = time.time()
+        row = SandboxRow(sandbox_id=name, state=state, template_id=built.name, template_digest=built.digest,
+                         runtime_name=name, slot=slot, address="", access_token="", started_at=now,
+                         end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
+        # Recorded before it exists, so a crash in between leaves a row to reap, not a stray sandbox.
+        self.catalog.put_sandbox(row)
+        try:
+            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+            row.address = handle.endpoint.address
+            self.catalog.put_sandbox(row)
+            await self._wait_agent(row)
+        except BaseException:
+            await self._reap(row)
+            raise
+        return row
+
+    async def _start_pooled(self, template: str) -> SandboxRow:
+        built = await asyncio.to_thread(builder.ensure_built, template)
+        d = built.defaults
+        return await self._start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb), "pooled")
+
+    async def _wait_agent(self, row: SandboxRow) -> None:
+        assert self._http is not None
+        deadline = time.monotonic() + AGENT_READY_TIMEOUT
+        url = f"http://{row.address}:49983/health"
+        delay = 0.005
+        while True:
+            try:
+                async with self._http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status < 300:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeFailure(f"agent of {row.sandbox_id} did not answer within {AGENT_READY_TIMEOUT:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    async def _init_agent(self, row: SandboxRow, env: dict[str, str], user: str, workdir: str,
+                          previous_token: str | None = None) -> None:
+        assert self._http is not None
+        headers = {"X-Access-Token": previous_token} if previous_token else {}
+        body = {"accessToken": row.access_token, "envVars": env, "defaultUser": user,
+                "defaultWorkdir": workdir, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        async with self._http.post(f"http://{row.address}:49983/init", json=body, headers=headers) as r:
+            if r.status >= 300:
+                raise RuntimeFailure(f"agent of {row.sandbox_id} refused init: {r.status} {await r.text()}")
+
+    async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
+        if req.timeout <= 0:
+            raise BadRequest("`timeout` must be a positive number of seconds")
+        try:
+            built = await asyncio.to_thread(builder.ensure_built, req.template_id)
+        except NotFound:
+            raise NotFound(f"template '{req.template_id}' not found") from None
+        d = built.defaults
+        limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
+        pool = self._pool_for(built)
+        pool.start()
+        row = pool.take() if limits == Limits(cpu=d.cpu, memory_mb=d.memory_mb) else None
+        if row is None:
+            row = await self._start(built, limits, "pooled")
+        old_id = row.sandbox_id
+        now = time.time()
+        row.sandbox_id = new_sandbox_id()
+        row.state = "running"
+        row.access_token = secrets.token_hex(16)
+        row.started_at = now
+        row.end_at = now + req.timeout
+        row.api_key_id = api_key_id
+        row.doc = {
+            "metadata": dict(req.metadata), "envVars": dict(req.env_vars),
+            "autoPause": req.auto_pause, "allowInternetAccess": req.allow_internet_access,
+            "user": d.user, "workdir": d.workdir,
+        }
+        try:
+            await self._init_agent(row, {**d.env, **req.env_vars}, d.user, d.workdir)
+            self.catalog.rename_sandbox(old_id, row)
+        except BaseException:
+            await self._reap(row, catalog_id=old_id)
+            raise
+        self.live[row.sandbox_id] = row
+        return row
+
+    # -- reading -------------------------------------------------------------------
+    def get(self, sandbox_id: str) -> SandboxRow:
+        row = self.live.get(sandbox_id) or self.catalog.get_sandbox(sandbox_id)
+        if row is None or row.state not in ("running", "paused"):
+            raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+        return row
+
+    def listed(self) -> list[SandboxRow]:
+        return [r for r in self.catalog.sandboxes(("running", "paused"))]
+
+    def route(self, sandbox_id: str) -> SandboxRow | None:
+        row = self.live.get(sandbox_id)
+        if row is None or row.sandbox_id in self._killing:
+            return None
+        return row
+
+    # -- changing ------------------------------------------------------------------
+    async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
+        row = self.get(sandbox_id)
+        row.end_at = time.time() + max(0, seconds)
+        self.catalog.put_sandbox(row)
+        if seconds <= 0:
+            await self._expire(row)
+
+    async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
+        row = self.get(sandbox_id)
+        if row.state == "running":
+            row.end_at = max(row.end_at, time.time() + timeout)  # never shortened
+            self.catalog.put_sandbox(row)
+            return row, False
+        raise Conflict(f"sandbox '{sandbox_id}' is {row.state} and cannot be resumed by this server")
+
+    async def kill(self, sandbox_id: str) -> None:
+        row = self.get(sandbox_id)
+        await self._kill(row)
+
+    async def _kill(self, row: SandboxRow) -> None:
+        self._killing.add(row.sandbox_id)
+        self.live.pop(row.sandbox_id, None)
+        row.state = "killed"
+        self.catalog.put_sandbox(row)
+        for listener in self.kill_listeners:
+            listener(row.sandbox_id)
+        # Teardown takes a second or two; the sandbox is already unreachable, so do it in the background.
+        task = asyncio.get_running_loop().create_task(self._reap(row))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+
+    async def _reap(self, row: SandboxRow, catalog_id: str | None = None) -> None:
+        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+        try:
+            await asyncio.to_thread(self.runtime.destroy, handle)
+        except Exception as exc:
+            log.warning("destroy of %s failed: %s", row.runtime_name, exc)
+        self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
+        network.release_slot(row.slot)
+        self._slots.discard(row.slot)
+        self._killing.discard(row.sandbox_id)
+        self.metrics.pop(row.sandbox_id, None)
+
+    async def _expire(self, row: SandboxRow) -> None:
+        log.info("sandbox %s reached its timeout", row.sandbox_id)
+        await self._kill(row)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            now = time.time()
+            for row in list(self.live.values()):
+                if row.end_at <= now and row.sandbox_id not in self._killing:
+                    try:
+                        await self._expire(row)
+                    except Exception as exc:
+                        log.warning("expiry of %s failed: %s", row.sandbox_id, exc)
+            await asyncio.sleep(0.25)
+
+    # -- metrics -------------------------------------------------------------------
+    async def _metrics_loop(self) -> None:
+        last: dict[str, tuple[float, int]] = {}
+        while True:
+            for row in list(self.live.values()):
+                try:
+                    sample = await self._sample(row, last)
+                except Exception as exc:  # a sandbox dying mid-sample is normal
+                    log.debug("metrics of %s: %s", row.sandbox_id, exc)
+                    continue
+                if sample:
+                    self.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
+            await asyncio.sleep(METRIC_INTERVAL)
+
+    async def _sample(self, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
+        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+        stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle)
+        if not stats:
+            return None
+        now = time.time()
+        cpu_ns = stats.get("cpu_ns", 0)
+        prev = last.get(row.sandbox_id)
+        last[row.sandbox_id] = (now, cpu_ns)
+        pct = 0.0
+        if prev and now > prev[0]:
+            pct = max(0.0, (cpu_ns - prev[1]) / 1e9 / (now - prev[0]) / max(row.cpu, 1) * 100)
+        disk_used = disk_total = 0
+        assert self._http is not None
+        try:
+            async with self._http.get(f"http://{row.address}:49983/metrics",
+                                      headers={"X-Access-Token": row.access_token},
+                                      timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    m = await r.json()
+                    disk_used, disk_total = int(m.get("disk_used", 0)), int(m.get("disk_total", 0))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
+        mem_total = min(stats.get("mem_limit", 0), row.memory_mb * 1024 * 1024) or row.memory_mb * 1024 * 1024
+        return {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
+            "timestampUnix": int(now), "cpuCount": int(row.cpu), "cpuUsedPct": round(pct, 2),
+            "memUsed": stats.get("mem_used", 0), "memTotal": mem_total, "memCache": stats.get("mem_cache", 0),
+            "diskUsed": disk_used, "diskTotal": disk_total,
+        }
+
+    def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
+        self.get(sandbox_id)
+        out = []
+        for s in self.metrics.get(sandbox_id, ()):
+            if start is not None and s["timestampUnix"] < start:
+                continue
+            if end is not None and s["timestampUnix"] > end:
+                continue
+            out.append(s)
+        return out

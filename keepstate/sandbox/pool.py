@@ -1,0 +1,76 @@
+"""Warm pools: sandboxes started ahead of demand, one pool per template build.
+
+A create takes a pooled sandbox (its agent already answering) and only has to initialise
+it, which is what makes create-to-first-command fast. Pools refill in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from keepstate.db.catalog import SandboxRow
+
+log = logging.getLogger("keepstate.pool")
+
+
+class Pool:
+    def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]]) -> None:
+        self.key = key
+        self.size = size
+        self._start = start
+        self._ready: deque[SandboxRow] = deque()
+        self._starting = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    def adopt(self, row: SandboxRow) -> None:
+        self._ready.append(row)
+
+    def take(self) -> SandboxRow | None:
+        row = self._ready.popleft() if self._ready else None
+        self._wake.set()
+        return row
+
+    def drain(self) -> list[SandboxRow]:
+        rows = list(self._ready)
+        self._ready.clear()
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def start(self) -> None:
+        if self._task is None and self.size > 0:
+            self._task = asyncio.get_running_loop().create_task(self._fill(), name=f"pool-{self.key}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def _fill(self) -> None:
+        while True:
+            while len(self._ready) + self._starting < self.size:
+                self._starting += 1
+                try:
+                    row = await self._start()
+                    self._ready.append(row)
+                    self.failures = 0
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # keep serving; back off and try again
+                    self.failures += 1
+                    log.warning("pool %s: start failed (%s)", self.key, exc)
+                    await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.failures, 6)))
+                finally:
+                    self._starting -= 1
+            self._wake.clear()
+            await self._wake.wait()

@@ -1,0 +1,66 @@
+"""Cutting image files into chunks: fixed page-aligned blocks for memory images, FastCDC for other files.
+
+Memory images change by in-place page overwrites, which fixed blocks turn into a few changed blocks; files change by
+insertions, which would shift every later fixed block, so they are cut where their content says (FastCDC).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyfastcdc import FastCDC
+
+PAGE_SIZE = 4096
+# Large sequential reads for memory images; a multiple of every sane block size.
+_READ_SIZE = 16 << 20
+
+
+@dataclass(frozen=True)
+class ChunkerParams:
+    memory_block_size: int = 64 * 1024
+    file_chunk_min: int = 16 * 1024
+    file_chunk_avg: int = 64 * 1024
+    file_chunk_max: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if self.memory_block_size <= 0 or self.memory_block_size % PAGE_SIZE:
+            raise ValueError(f"memory_block_size must be a positive multiple of {PAGE_SIZE}")
+        if not self.file_chunk_min <= self.file_chunk_avg <= self.file_chunk_max:
+            raise ValueError("file chunk sizes must satisfy min <= avg <= max")
+
+
+def fixed_blocks(path: Path, block_size: int) -> Iterator[memoryview]:
+    """Yield `block_size` pieces of the file (the last may be shorter). Each view is valid until the next
+    `_READ_SIZE` boundary is read, so consumers must copy or finish with it before asking for many more."""
+    read_size = max(block_size, _READ_SIZE - _READ_SIZE % block_size)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            buf = bytearray(read_size)  # fresh buffer: views handed out earlier stay valid
+            n = f.readinto(buf)
+            if not n:
+                return
+            view = memoryview(buf)[:n]
+            for start in range(0, n, block_size):
+                yield view[start:start + block_size]
+            if n < read_size:
+                return
+
+
+def content_defined(path: Path, params: ChunkerParams) -> Iterator[memoryview]:
+    """Yield FastCDC chunks of the file. Views point into an mmap of the file that lives as long as they do."""
+    if os.path.getsize(path) == 0:
+        return  # mmap cannot map an empty file
+    cdc = FastCDC(params.file_chunk_avg, min_size=params.file_chunk_min, max_size=params.file_chunk_max)
+    for chunk in cdc.cut_file(str(path)):
+        yield chunk.data
+
+
+def chunks_of(path: Path, kind: str, params: ChunkerParams) -> Iterator[memoryview]:
+    if kind == "memory":
+        return fixed_blocks(path, params.memory_block_size)
+    if kind == "file":
+        return content_defined(path, params)
+    raise ValueError(f"unknown image file kind {kind!r}: expected 'memory' or 'file'")

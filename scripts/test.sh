@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs every test: unit and component tests, then the SDK tests against one shared KeepState
+# server with real gVisor sandboxes, with the newest e2b SDK and again with e2b==2.50.0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+
+for t in templates/*.toml; do
+  name=$(sed -n 's/^name *= *"\(.*\)"/\1/p' "$t" | head -n1)
+  $BIN/keepstate template build "$name" >/dev/null
+done
+
+export KEEPSTATE_TEMPLATE_CACHE=/var/lib/keepstate/templates
+export KEEPSTATE_TEST_HOME=$(mktemp -d /tmp/keepstate-test.XXXXXX)
+port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+export KEEPSTATE_TEST_API=http://127.0.0.1:$port
+logs=$KEEPSTATE_TEST_HOME/server.log
+KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
+  --warm "$(ls templates/*.toml | xargs -n1 basename | sed 's/\.toml$//' | paste -sd,)" --reap-on-exit \
+  >"$logs" 2>&1 &
+server=$!
+cleanup() {
+  kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true
+  rc_cleanup=$?
+}
+trap cleanup EXIT
+for _ in $(seq 1 600); do
+  curl -fsS "$KEEPSTATE_TEST_API/health" >/dev/null 2>&1 && break
+  kill -0 "$server" 2>/dev/null || { cat "$logs"; echo "test server died" >&2; exit 1; }
+  sleep 0.2
+done
+export KEEPSTATE_TEST_KEY=$(KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate keys create tests 2>/dev/null)
+
+status=0
+$BIN/python -m pytest -n 2 -p no:cacheprovider tests "$@" || status=$?
+echo "== SDK tests again with e2b==2.50.0 (the last release on the v1 routes)"
+.venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini tests/sdk || status=$?
+if [ $status -ne 0 ]; then
+  echo "== server log (last 80 lines)"; tail -n 80 "$logs"
+fi
+exit $status

@@ -1,0 +1,148 @@
+"""Commands through the stock SDK: run, background, stdin, kill, list, connect, env, cwd, users, timeouts."""
+
+from __future__ import annotations
+
+import pytest
+from e2b import CommandExitException, TimeoutException
+
+from tests.agent.harness import eventually
+
+
+def test_run_echo(sandbox) -> None:
+    result = sandbox.commands.run("echo hello")
+    assert result.exit_code == 0
+    assert result.stdout == "hello\n"
+    assert result.stderr == ""
+
+
+def test_stderr_and_exit_code(sandbox) -> None:
+    with pytest.raises(CommandExitException) as info:
+        sandbox.commands.run("echo oops >&2; exit 3")
+    assert info.value.exit_code == 3
+    assert info.value.stderr == "oops\n"
+    assert "exit status 3" in (info.value.error or "")
+
+
+def test_default_user_and_cwd(sandbox) -> None:
+    result = sandbox.commands.run("whoami; pwd; echo $HOME; umask")
+    assert result.stdout.split() == ["user", "/home/user", "/home/user", "0022"]
+
+
+def test_root_user(sandbox) -> None:
+    assert sandbox.commands.run("whoami", user="root").stdout == "root\n"
+
+
+def test_cwd_and_missing_cwd(sandbox, home_dir) -> None:
+    sandbox.files.make_dir(home_dir)
+    assert sandbox.commands.run("pwd", cwd=home_dir).stdout.strip() == home_dir
+    from e2b import InvalidArgumentException
+
+    with pytest.raises(InvalidArgumentException, match="does not exist"):
+        sandbox.commands.run("pwd", cwd="/definitely/not/here")
+
+
+def test_env_vars_sandbox_and_request(control_plane) -> None:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(envs={"FROM_SANDBOX": "s1", "BOTH": "sandbox"})
+    try:
+        out = sbx.commands.run('echo "$FROM_SANDBOX $FROM_CMD $BOTH"', envs={"FROM_CMD": "c1", "BOTH": "cmd"})
+        assert out.stdout == "s1 c1 cmd\n"
+    finally:
+        sbx.kill()
+
+
+def test_background_and_wait(sandbox) -> None:
+    handle = sandbox.commands.run("sleep 0.2; echo done", background=True)
+    assert handle.pid > 0
+    result = handle.wait()
+    assert result.stdout == "done\n"
+
+
+def test_stdin_send_and_close(sandbox) -> None:
+    handle = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.send_stdin(handle.pid, "line one\n")
+    sandbox.commands.send_stdin(handle.pid, b"line two\n")
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "line one\nline two\n"
+
+
+def test_stdin_false_reads_eof(sandbox) -> None:
+    assert sandbox.commands.run("cat; echo eof", stdin=False).stdout == "eof\n"
+
+
+def test_kill_and_list(sandbox) -> None:
+    handle = sandbox.commands.run("sleep 30", background=True)
+    listed = {p.pid: p for p in sandbox.commands.list()}
+    assert handle.pid in listed
+    assert listed[handle.pid].args == ["-l", "-c", "sleep 30"]
+    assert listed[handle.pid].cmd == "/bin/bash"
+    assert sandbox.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as info:
+        handle.wait()
+    assert info.value.exit_code == -1
+    assert "killed" in (info.value.error or "")
+    assert handle.pid not in {p.pid for p in sandbox.commands.list()}
+    assert sandbox.commands.kill(999_999) is False
+
+
+def test_connect_to_running(sandbox) -> None:
+    handle = sandbox.commands.run("read x; echo got $x", background=True, stdin=True)
+    other = sandbox.commands.connect(handle.pid)
+    sandbox.commands.send_stdin(handle.pid, "ping\n")
+    assert other.wait().stdout == "got ping\n"
+    assert handle.wait().stdout == "got ping\n"
+
+
+def test_disconnect_does_not_kill(sandbox) -> None:
+    handle = sandbox.commands.run("read x; echo after $x", background=True, stdin=True)
+    handle.disconnect()
+    assert handle.pid in {p.pid for p in sandbox.commands.list()}
+    again = sandbox.commands.connect(handle.pid)
+    sandbox.commands.send_stdin(handle.pid, "reconnect\n")
+    assert again.wait().stdout == "after reconnect\n"
+
+
+def test_timeout_kills_process(sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sandbox.commands.run("sleep 20", timeout=1)
+    # The agent enforces the same deadline: the process goes away long before its 20 s.
+    assert eventually(lambda: not [p for p in sandbox.commands.list() if p.args[-1:] == ["sleep 20"]])
+
+
+def test_broken_utf8(sandbox) -> None:
+    result = sandbox.commands.run(r"printf '\xe2\x82'; sleep 0.1; printf '\xac ok\xff'")
+    assert result.stdout.startswith("€ ok")
+    assert result.stdout.endswith("\ufffd")
+
+
+def test_many_lines_of_output(sandbox) -> None:
+    result = sandbox.commands.run("seq 1 20000")
+    assert result.stdout.splitlines()[-1] == "20000"
+    assert len(result.stdout.splitlines()) == 20000
+
+
+def test_callbacks_stream(sandbox) -> None:
+    seen: list[str] = []
+    sandbox.commands.run("echo a; echo b >&2", on_stdout=seen.append, on_stderr=seen.append)
+    assert sorted(seen) == ["a\n", "b\n"]
+
+
+async def test_async_commands(async_sandbox) -> None:
+    result = await async_sandbox.commands.run("echo async; whoami", user="root")
+    assert result.stdout == "async\nroot\n"
+    handle = await async_sandbox.commands.run("cat", background=True, stdin=True)
+    await async_sandbox.commands.send_stdin(handle.pid, "x\n")
+    await async_sandbox.commands.close_stdin(handle.pid)
+    assert (await handle.wait()).stdout == "x\n"
+    with pytest.raises(CommandExitException):
+        await async_sandbox.commands.run("exit 7")
+
+
+async def test_async_kill_and_connect(async_sandbox) -> None:
+    handle = await async_sandbox.commands.run("sleep 30", background=True)
+    assert handle.pid in {p.pid for p in await async_sandbox.commands.list()}
+    attached = await async_sandbox.commands.connect(handle.pid)
+    assert await async_sandbox.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException):
+        await attached.wait()
