@@ -37,12 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"keepstate.agent: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop  # noqa: F401
+    import importlib.util
 
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     config = uvicorn.Config(
         AgentApp(SandboxSettings(template)),
         host=args.host,

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from keepstate.agent import ENVD_VERSION
-from keepstate.agent.asgi import HTTPError, Receive, Scope, Send, header, read_body, send_empty, send_error, send_json
+from keepstate.agent.asgi import HTTPError, Message, Receive, Scope, Send, header, read_body, send_empty, send_error, send_json
 from keepstate.agent.auth import UNAUTHORIZED_MESSAGE, token_ok
 from keepstate.agent.reaper import REAPER
 from keepstate.agent.settings import SandboxSettings, SettingsError, parse_init
@@ -51,7 +51,7 @@ class AgentApp:
 
             self._process_table = ProcessTable()
             self._filesystem = FilesystemService(self.settings)
-            process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
+            process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))  # type: ignore[arg-type]
             fs_app = FilesystemASGIApplication(self._filesystem)  # type: ignore[arg-type]
             self._rpc = {process_app.path + "/": process_app, fs_app.path + "/": fs_app}
         return self._rpc
@@ -64,15 +64,27 @@ class AgentApp:
         if scope["type"] != "http":
             return
 
-        async def send_with_cors(message: dict[str, Any]) -> None:
+        started = False
+
+        async def send_with_cors(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = list(message.get("headers", [])) + _CORS
             await send(message)
 
         try:
             await self._route(scope, receive, send_with_cors)
         except HTTPError as e:
+            if started:
+                raise
             await send_error(send_with_cors, e.status, e.message)
+        except Exception as e:
+            # Every error a client sees is JSON with an int code; the traceback goes to our log.
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await send_error(send_with_cors, 500, f"internal error: {e}")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -42,7 +42,10 @@ def headers_with_prefix(scope: Scope, prefix: str) -> dict[str, str]:
 
 def query(scope: Scope) -> dict[str, str]:
     raw = scope.get("query_string", b"").decode("latin-1")
-    parsed = parse_qs(raw, keep_blank_values=True, encoding="utf-8", errors="strict")
+    try:
+        parsed = parse_qs(raw, keep_blank_values=True, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise HTTPError(400, "query string is not valid UTF-8") from None
     return {k: v[0] for k, v in parsed.items()}
 
 

@@ -30,7 +30,7 @@ RETAIN_EXITED_S = 30.0
 DRAIN_GRACE_S = 0.2
 READ_CHUNK = 65536
 
-_GO_SIGNAL_NAMES = {
+_GO_SIGNAL_NAMES: dict[int, str] = {
     signal.SIGHUP: "hangup", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGILL: "illegal instruction",
     signal.SIGTRAP: "trace/breakpoint trap", signal.SIGABRT: "aborted", signal.SIGBUS: "bus error",
     signal.SIGFPE: "floating point exception", signal.SIGKILL: "killed", signal.SIGUSR1: "user defined signal 1",
@@ -214,9 +214,9 @@ class ManagedProcess:
         for fd in list(self._readers):
             self._drain(fd)
             self._close_reader(fd)
-        for fd in (self._stdin_fd, self._pty_fd):
-            if fd is not None:
-                os.close(fd)
+        for input_fd in (self._stdin_fd, self._pty_fd):
+            if input_fd is not None:
+                os.close(input_fd)
         self._stdin_fd = self._pty_fd = None
         self._end = end_event(self._exit)
         self._broadcast(self._end)
@@ -342,8 +342,13 @@ async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> N
         try:
             n = os.write(fd, view)
         except BlockingIOError:
-            ready = loop.create_future()
-            loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+            ready: asyncio.Future[None] = loop.create_future()
+
+            def writable() -> None:
+                if not ready.done():
+                    ready.set_result(None)
+
+            loop.add_writer(fd, writable)
             try:
                 await ready
             finally:

@@ -60,8 +60,9 @@ def file_signature(path: str, op: str, user: str, token: str, exp: str | None) -
 
 
 class Router:
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: SandboxManager, max_upload: int = 2 << 30) -> None:
         self.manager = manager
+        self.max_upload = max_upload
         self._client: aiohttp.ClientSession | None = None
         # Transports of in-flight requests per sandbox (requests themselves are not hashable).
         self._inflight: dict[str, set[asyncio.BaseTransport]] = defaultdict(set)
@@ -103,6 +104,12 @@ class Router:
         if port == AGENT_PORT and request.path in _PRIVATE:
             return web.json_response({"code": 403, "message": f"{request.path} is reserved for the host"},
                                      status=403)
+        if (port == AGENT_PORT and request.method == "POST" and request.path == "/files"
+                and (request.content_length or 0) > self.max_upload):
+            return web.json_response(
+                {"code": 413, "message": f"upload of {request.content_length} bytes is larger than this "
+                                         f"server's limit of {self.max_upload} bytes (keepstate serve --max-upload-mb)"},
+                status=413)
         transport = request.transport
         if transport is not None:
             self._inflight[sandbox_id].add(transport)

@@ -79,6 +79,7 @@ class UpstreamCall:
         self.call, self.attempt, self.provider, self.request = call, attempt, provider, request
         self.store, self.prices, self.session, self.timeout, self.on_done = store, prices, session, timeout, on_done
         self._raw: list[bytes] = []
+        self.reserved = True  # whether a budget reservation was made for this attempt (else nothing to settle)
 
     async def run(self) -> None:
         call = self.call
@@ -153,7 +154,7 @@ class UpstreamCall:
         call.entry_id = self.store.finish_upstream(
             self.attempt, ok=ok, outcome=outcome, http_status=call.status, content_type=call.content_type,
             response=b"".join(self._raw), usage=usage, request_id=call.request_id, cost_nano=cost or 0,
-            priced=cost is not None,
+            priced=cost is not None, reserved=self.reserved,
         )
         for joiner in call.joiners:
             self.store.record_served("joined", joiner, call.entry_id, call.status)

@@ -175,6 +175,9 @@ class Gateway:
     def _run_state(self, token: str) -> _RunState | None:
         h = token_hash(token)
         state = self._runs.get(h)
+        if state is not None and self.store.run_ended(state.run.run_id):  # ended by another process
+            self._runs.pop(h, None)
+            return None
         if state is None:
             run = self.store.run_by_token_hash(h)
             if run is None or run.ended:
@@ -309,6 +312,7 @@ class Gateway:
         )
         job = UpstreamCall(live, attempt, provider, upstream, self.store, self.prices, self._session, timeout,
                            self._finished)
+        job.reserved = bool(applicable)
         task = asyncio.get_running_loop().create_task(job.run())
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

@@ -213,6 +213,10 @@ class Store:
         ).fetchone()
         return _run(row) if row else None
 
+    def run_ended(self, run_id: str) -> bool:
+        row = self.db.execute("SELECT ended_at FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return row is None or row[0] is not None
+
     def end_run(self, run_id: str) -> None:
         self.db.execute("UPDATE runs SET ended_at=? WHERE run_id=? AND ended_at IS NULL", (time.time(), run_id))
 
@@ -314,6 +318,7 @@ class Store:
     def finish_upstream(
         self, a: Attempt, *, ok: bool, outcome: str, http_status: int | None, content_type: str | None,
         response: bytes, usage: Usage | None, request_id: str | None, cost_nano: int, priced: bool,
+        reserved: bool = True,
     ) -> int:
         """Store the response, write its ledger entry and turn the reservation into spending, atomically."""
         now = time.time()
@@ -327,7 +332,8 @@ class Store:
                 ("done" if ok else "failed", http_status, content_type, response,
                  json.dumps(usage.to_dict()) if usage else None, request_id, ok, entry_id, now, a.call_key),
             )
-            self._settle(db, a.call_key, self.owner, cost_nano)
+            if reserved:
+                self._settle(db, a.call_key, self.owner, cost_nano)
         return entry_id
 
     def record_served(self, kind: str, a: Attempt, original_entry_id: int | None, http_status: int | None) -> int:

@@ -8,7 +8,7 @@ tokens; Anthropic's `input_tokens` excludes both cache counts, so they are added
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from keepstate.gateway.sse import split_all
@@ -25,7 +25,10 @@ class Usage:
     reasoning_tokens: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        # Not dataclasses.asdict: it deep-copies, and this runs on every call's hot path.
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "cached_tokens": self.cached_tokens, "cache_write_tokens": self.cache_write_tokens,
+                "reasoning_tokens": self.reasoning_tokens}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Usage:

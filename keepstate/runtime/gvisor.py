@@ -64,7 +64,9 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
             "noNewPrivileges": False,
         },
-        "root": {"path": str(spec.template.rootfs), "readonly": True},
+        # Writable from inside, yet the template directory is never written: --overlay2=root:memory
+        # puts every write in an in-memory upper layer that belongs to this sandbox alone.
+        "root": {"path": str(spec.template.rootfs), "readonly": False},
         "hostname": spec.hostname,
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},

@@ -80,6 +80,7 @@ class SandboxManager:
         self._http: aiohttp.ClientSession | None = None
         self._killing: set[str] = set()
         self._reaping: set[asyncio.Task[None]] = set()
+        self._builds: dict[str, asyncio.Task[builder.Built]] = {}
         self.kill_listeners: list[Any] = []  # callables(sandbox_id) run when a sandbox dies
 
     # -- start and stop --------------------------------------------------------------
@@ -93,7 +94,7 @@ class SandboxManager:
         self._tasks.append(loop.create_task(self._metrics_loop(), name="metrics"))
         for name in warm:
             try:
-                built = await asyncio.to_thread(builder.current, name)
+                built = await asyncio.to_thread(builder.latest, name)
             except KeepStateError:
                 built = None
             if built is not None:
@@ -124,9 +125,18 @@ class SandboxManager:
     async def _adopt(self) -> None:
         rows = self.catalog.sandboxes()
         alive = await asyncio.to_thread(self.runtime.running_names)
+        latest: dict[str, str | None] = {}
+        for row in rows:
+            if row.template_id not in latest:
+                try:
+                    b = await asyncio.to_thread(builder.latest, row.template_id)
+                except KeepStateError:
+                    b = None
+                latest[row.template_id] = b.digest if b else None
         for row in rows:
             self._slots.add(row.slot)
-            if row.state in ("running", "pooled") and row.runtime_name in alive:
+            stale_pool = row.state == "pooled" and latest.get(row.template_id) != row.template_digest
+            if row.state in ("running", "pooled") and row.runtime_name in alive and not stale_pool:
                 if row.state == "running":
                     self.live[row.sandbox_id] = row
                 else:
@@ -180,8 +190,23 @@ class SandboxManager:
             raise
         return row
 
+    async def _built(self, template: str) -> builder.Built:
+        """The template's latest build; a first use starts the build and asks the caller to retry."""
+        try:
+            built = await asyncio.to_thread(builder.latest, template)
+        except NotFound:
+            raise NotFound(f"template '{template}' not found") from None
+        if built is not None:
+            return built
+        task = self._builds.get(template)
+        if task is None or task.done():
+            self._builds[template] = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(builder.ensure_built, template))
+        raise Unavailable(f"template '{template}' is being built for its first use (about a minute); "
+                          f"retry then, or run `keepstate template build {template}` ahead of time")
+
     async def _start_pooled(self, template: str) -> SandboxRow:
-        built = await asyncio.to_thread(builder.ensure_built, template)
+        built = await self._built(template)
         d = built.defaults
         return await self._start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb), "pooled")
 
@@ -215,10 +240,7 @@ class SandboxManager:
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         if req.timeout <= 0:
             raise BadRequest("`timeout` must be a positive number of seconds")
-        try:
-            built = await asyncio.to_thread(builder.ensure_built, req.template_id)
-        except NotFound:
-            raise NotFound(f"template '{req.template_id}' not found") from None
+        built = await self._built(req.template_id)
         d = built.defaults
         limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
         pool = self._pool_for(built)

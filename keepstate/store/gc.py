@@ -55,9 +55,9 @@ def collect(repo: Repository, repack_threshold: float = 0.0) -> GcReport:
         raise ValueError("repack_threshold must be between 0 and 1")
     report = GcReport()
     backend = repo.backend
+    report.bytes_before = repo.stored_bytes()
     report.stale_locks_removed = lock_mod.remove_stale(backend)
     with Lock(backend, "exclusive", "gc"):  # D2
-        report.bytes_before = repo.stored_bytes()
 
         # D3: the live set, or abort.
         live_manifests: set[str] = set()

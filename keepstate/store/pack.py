@@ -54,6 +54,11 @@ def decode_chunk(entry: PackEntry, stored: bytes | memoryview) -> bytes:
     """Decompress and verify one chunk. Raises ValueError with the reason when it does not match its ID."""
     if entry.compression == ZSTD:
         try:
+            # A damaged frame header can claim any content size, and zstandard allocates what the frame claims:
+            # check it against the recorded length before decompressing.
+            claimed = zstandard.frame_content_size(stored)
+            if claimed != entry.raw_len:
+                raise ValueError(f"zstd frame claims {claimed} bytes, not the recorded {entry.raw_len}")
             raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=entry.raw_len)
         except zstandard.ZstdError as exc:
             raise ValueError(f"cannot decompress: {exc}") from exc

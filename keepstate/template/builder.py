@@ -154,6 +154,19 @@ def current(name: str) -> Built | None:
     return _read_built(d, definition_digest(d, parent.digest if parent else None))
 
 
+def latest(name: str) -> Built | None:
+    """The newest completed build of a template, whether or not its definition changed since.
+
+    Running servers use this: a definition edited under a live server is rebuilt at the next
+    start or by `keepstate template build`, never in the middle of a create request.
+    """
+    d = load(name)
+    link = templates_dir() / name / "current"
+    if not link.is_symlink():
+        return None
+    return _read_built(d, os.readlink(link))
+
+
 def ensure_built(name: str, progress: Progress = stderr_progress, force: bool = False) -> Built:
     d = load(name)
     parent = _parent_built(d, progress)
@@ -237,7 +250,9 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
             "seconds": round(time.monotonic() - started, 1),
         }, indent=1))
         final = tdir / ddigest
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():
+            # A forced rebuild: live sandboxes may still use the old root, so retire it, don't delete it.
+            os.rename(final, tdir / f".retired-{ddigest[:12]}-{int(time.time())}")
         os.rename(work, final)
         link = tdir / "current"
         tmp_link = tdir / f".current-{os.getpid()}"

@@ -110,6 +110,12 @@ def test_timeout_kills_process(sandbox) -> None:
     assert eventually(lambda: not [p for p in sandbox.commands.list() if p.args[-1:] == ["sleep 20"]])
 
 
+def test_background_grandchild_does_not_hold_the_command(sandbox) -> None:
+    # The backgrounded sleep inherits stdout; the command must still end when bash exits.
+    result = sandbox.commands.run("sleep 30 & echo started", timeout=20)
+    assert result.stdout == "started\n"
+
+
 def test_broken_utf8(sandbox) -> None:
     result = sandbox.commands.run(r"printf '\xe2\x82'; sleep 0.1; printf '\xac ok\xff'")
     assert result.stdout.startswith("€ ok")

@@ -46,8 +46,11 @@ class Execution:
     """One user execution. Read `lines` until it yields `END`; call `abandon()` if the reader leaves."""
 
     def __init__(self, ctx: Context, code: str, env_vars: Mapping[str, str],
-                 sandbox_envs: Mapping[str, str]) -> None:
+                 sandbox_envs: Mapping[str, str], inherited: Mapping[str, str]) -> None:
         self.ctx = ctx
+        # Sandbox-level vars the kernel did not inherit from the bridge's own environment. Usually
+        # none: pushing them costs an execution, which some kernels (tslab) count.
+        self._missing_envs = {k: v for k, v in sandbox_envs.items() if inherited.get(k) != v}
         self.lines: asyncio.Queue[Line] = asyncio.Queue()
         self._code = code
         self._env_vars = dict(env_vars)
@@ -78,7 +81,7 @@ class Execution:
                     return
                 try:
                     if not ctx.sandbox_envs_applied:
-                        await self._silent(languages.env_code(ctx.language, self._sandbox_envs))
+                        await self._silent(languages.env_code(ctx.language, self._missing_envs))
                         ctx.sandbox_envs_applied = True
                     await self._silent(languages.env_code(ctx.language, self._env_vars))
                     self._user_code_running = True
@@ -157,7 +160,11 @@ class Contexts:
         except KeyError:
             raise ContextNotFound(context_id) from None
 
-    def list(self) -> list[Context]:
+    async def list(self) -> list[Context]:
+        """All contexts, once the default contexts still starting have started (or failed)."""
+        pending = [t for t in self._defaults.values() if not t.done()]
+        if pending:
+            await asyncio.wait([asyncio.shield(t) for t in pending])
         return list(self._contexts.values())
 
     async def restart(self, context_id: str) -> None:
@@ -174,7 +181,7 @@ class Contexts:
     def run(self, ctx: Context, code: str, env_vars: Mapping[str, str],
             sandbox_envs: Mapping[str, str]) -> Execution:
         languages.check_env_names(list(env_vars))
-        return Execution(ctx, code, env_vars, sandbox_envs)
+        return Execution(ctx, code, env_vars, sandbox_envs, self._spec.env)
 
     async def close(self) -> None:
         for task in self._defaults.values():

@@ -83,16 +83,21 @@ class Kernel:
         if popen:
             self._km.kernel_uid = popen["user"]
         try:
-            await self._km.start_kernel(cwd=self._spec.cwd, env=env, **popen)
-        except Exception as exc:
-            raise KernelError(f"cannot start kernel '{self.kernel_name}': {exc}") from exc
-        self._kc = self._km.client()
-        self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
-        self._readers = [
-            asyncio.create_task(self._read(self._kc.iopub_channel), name=f"{self.kernel_name}-iopub"),
-            asyncio.create_task(self._read(self._kc.shell_channel), name=f"{self.kernel_name}-shell"),
-        ]
-        await self._wait_ready()
+            try:
+                await self._km.start_kernel(cwd=self._spec.cwd, env=env, **popen)
+            except Exception as exc:
+                raise KernelError(f"cannot start kernel '{self.kernel_name}': {exc}") from exc
+            self._kc = self._km.client()
+            self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+            self._readers = [
+                asyncio.create_task(self._read(self._kc.iopub_channel), name=f"{self.kernel_name}-iopub"),
+                asyncio.create_task(self._read(self._kc.shell_channel), name=f"{self.kernel_name}-shell"),
+            ]
+            await self._wait_ready()
+        except BaseException:
+            # Failed or cancelled (bridge stopping) half-way: leave no orphan kernel process behind.
+            await asyncio.shield(self.shutdown())
+            raise
 
     async def restart(self) -> None:
         """A fresh process on the same IPC sockets; the bridge's sockets reconnect by themselves."""

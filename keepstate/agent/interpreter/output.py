@@ -8,6 +8,7 @@ parent is that request; it returns the lines to stream and tells when the execut
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,11 @@ MIME_KEYS: dict[str, str] = {
 KEEPALIVE: Line = {"type": "keepalive"}
 END: Line = {"type": "end_of_execution"}
 UNEXPECTED_END: Line = {"type": "unexpected_end_of_execution"}
+
+
+def encode(line: Line) -> bytes:
+    """One NDJSON record: json.dumps never emits a raw newline, and there are no blank lines."""
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
 
 
 def timestamp(value: object) -> str:

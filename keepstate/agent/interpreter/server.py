@@ -19,7 +19,7 @@ from keepstate.agent.interpreter import languages
 from keepstate.agent.interpreter.contexts import ContextNotFound, Contexts, Execution
 from keepstate.agent.interpreter.envd import Envd, EnvdError, Unauthorized
 from keepstate.agent.interpreter.kernel import KernelError
-from keepstate.agent.interpreter.output import END, KEEPALIVE, Line
+from keepstate.agent.interpreter.output import END, KEEPALIVE, encode
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,6 @@ ENVD: web.AppKey[Envd] = web.AppKey("envd", Envd)
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"code": status, "message": message}, status=status)
-
-
-def encode(line: Line) -> bytes:
-    # json.dumps never emits a raw newline, so each line is exactly one NDJSON record.
-    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -120,7 +115,7 @@ async def _stream(request: web.Request, execution: Execution) -> web.StreamRespo
 
 
 async def list_contexts(request: web.Request) -> web.Response:
-    return web.json_response([c.to_json() for c in request.app[CONTEXTS].list()])
+    return web.json_response([c.to_json() for c in await request.app[CONTEXTS].list()])
 
 
 async def create_context(request: web.Request) -> web.Response:

@@ -7,11 +7,27 @@ left behind by a crash.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from keepstate.store.backend import Backend, ObjectInfo, check_key
 from keepstate.store.errors import BackendError, ObjectNotFound, ShortRead
+
+
+_session_lock = threading.Lock()
+_session: Any = None
+
+
+def _shared_session() -> Any:
+    """One boto3 session per process: it caches the service model, which makes each new client ~10x cheaper."""
+    global _session
+    with _session_lock:
+        if _session is None:
+            import boto3
+
+            _session = boto3.session.Session()
+        return _session
 
 
 class S3Backend(Backend):
@@ -25,14 +41,12 @@ class S3Backend(Backend):
         region: str = "us-east-1",
         create_bucket: bool = True,
     ) -> None:
-        import boto3
         from botocore.config import Config
 
         self.endpoint = endpoint
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        session = boto3.session.Session()
-        self._client: Any = session.client(
+        self._client: Any = _shared_session().client(
             "s3",
             endpoint_url=endpoint,
             aws_access_key_id=access_key,
@@ -92,13 +106,14 @@ class S3Backend(Backend):
                 raise BackendError(f"cannot create bucket {self.bucket} at {self.endpoint}: {code} {exc}") from exc
 
     def save(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        full = self._key(key)
         try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
+            self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data))
         except Exception as exc:
             raise self._error(exc, "write", key) from exc
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}  # ValueError before any I/O
         if length is not None:
             if length == 0:
                 self.stat(key)
@@ -117,8 +132,9 @@ class S3Backend(Backend):
         return data
 
     def stat(self, key: str) -> int:
+        full = self._key(key)
         try:
-            return int(self._client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
         except Exception as exc:
             raise self._error(exc, "stat", key) from exc
 
@@ -134,8 +150,9 @@ class S3Backend(Backend):
             raise self._error(exc, "list", prefix or "/") from exc
 
     def remove(self, key: str) -> None:
+        full = self._key(key)
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+            self._client.delete_object(Bucket=self.bucket, Key=full)
         except Exception as exc:
             error = self._error(exc, "remove", key)
             if not isinstance(error, ObjectNotFound):

@@ -3,13 +3,15 @@
 Adds two display formatters, registered by type *name* so that neither pandas nor matplotlib is
 imported until user code imports it (kernels start faster):
 - `e2b/data`: a pandas DataFrame as {column: [values…]}, JSON-safe (NaN → null, times ISO-8601).
-- `e2b/chart`: a matplotlib Figure as the SDK's chart model (e2b_charts, E2B's own extractor).
+- `e2b/chart`: a matplotlib Figure as the SDK's chart model (e2b_charts, E2B's own extractor),
+  recognised without importing matplotlib.
 Matplotlib figures already render as PNG through ipykernel's inline backend.
 """
 
 
 def _e2b_register_formatters() -> None:
     import json
+    import sys
 
     from IPython import get_ipython
     from IPython.core.formatters import JSONFormatter
@@ -24,8 +26,16 @@ def _e2b_register_formatters() -> None:
         print_method = ObjectName("_repr_e2b_data_")
 
     class E2BChartFormatter(JSONFormatter):
+        # Not a type registration: activating the inline backend pops every Figure printer
+        # from every formatter (IPython's select_figure_formats).
         format_type = Unicode("e2b/chart")
         print_method = ObjectName("_repr_e2b_chart_")
+
+        def __call__(self, obj):
+            figure_module = sys.modules.get("matplotlib.figure")
+            if self.enabled and figure_module is not None and isinstance(obj, figure_module.Figure):
+                return figure_to_chart(obj)
+            return super().__call__(obj)
 
     def dataframe_to_data(df):
         # to_json does the JSON-safety (numpy scalars, NaN, timestamps); split keeps column order.
@@ -34,20 +44,34 @@ def _e2b_register_formatters() -> None:
         rows = split["data"]
         return {col: [row[i] for row in rows] for i, col in enumerate(columns)}
 
+    def plain(value):
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
     def figure_to_chart(figure):
         try:
-            from e2b_charts import chart_figure_to_dict
+            from e2b_charts import chart_figure_to_chart
 
-            return chart_figure_to_dict(figure) or None
+            chart = chart_figure_to_chart(figure)
+            if chart is None:
+                return None
+            # Extracted values can be numpy scalars (e.g. box plots of int data): make them plain JSON.
+            return json.loads(json.dumps(chart.model_dump(), default=plain))
         except Exception:  # a figure the extractor does not understand still shows as PNG
             return None
 
     data = E2BDataFormatter(parent=shell.display_formatter)
+    # pandas ≥ 3 reports DataFrame's module as `pandas`, older versions as `pandas.core.frame`.
+    data.for_type_by_name("pandas", "DataFrame", dataframe_to_data)
     data.for_type_by_name("pandas.core.frame", "DataFrame", dataframe_to_data)
     chart = E2BChartFormatter(parent=shell.display_formatter)
-    chart.for_type_by_name("matplotlib.figure", "Figure", figure_to_chart)
     shell.display_formatter.formatters["e2b/data"] = data
     shell.display_formatter.formatters["e2b/chart"] = chart
+    # active_types is fixed when the shell starts; new formatters are skipped unless added to it.
+    for mime in ("e2b/data", "e2b/chart"):
+        if mime not in shell.display_formatter.active_types:
+            shell.display_formatter.active_types.append(mime)
 
 
 _e2b_register_formatters()

@@ -1,0 +1,90 @@
+"""Process lifecycle guarantees: streamed input, late Connect, no zombies, template services kept alive."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.agent.harness import AgentProcess, eventually
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> state letter of every process whose parent is `pid`."""
+    out: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid:
+            out[int(entry)] = fields[0]
+    return out
+
+
+def test_stream_input(sandbox) -> None:
+    if not hasattr(sandbox.commands, "stream_input"):
+        pytest.skip("this SDK has no stream_input")
+    handle = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.stream_input(handle.pid, (f"chunk {i}\n" for i in range(50)))
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "".join(f"chunk {i}\n" for i in range(50))
+
+
+def test_connect_after_exit_gets_end(sandbox) -> None:
+    handle = sandbox.commands.run("echo early; exit 4", background=True)
+    from e2b import CommandExitException
+
+    with pytest.raises(CommandExitException):
+        handle.wait()
+    late = sandbox.commands.connect(handle.pid)
+    with pytest.raises(CommandExitException) as info:
+        late.wait()
+    assert info.value.exit_code == 4
+    assert info.value.stdout == ""  # live output only: nothing is replayed
+
+
+def test_no_zombies_left(sandbox, agent) -> None:
+    for i in range(10):
+        sandbox.commands.run(f"true {i}")
+        sandbox.commands.run("sleep 5", background=True).kill()
+    sandbox.pty.kill(sandbox.pty.create(__import__("e2b").sandbox.commands.command_handle.PtySize(24, 80)).pid)
+    assert eventually(lambda: "Z" not in _children(agent.proc.pid).values()), _children(agent.proc.pid)
+
+
+def test_template_service_restarted(sandbox_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pid_file = tmp_path / "svc.pid"
+    template = {
+        "user": "user", "workdir": "/home/user",
+        "services": [{"name": "svc", "command": ["/bin/sh", "-c", f"echo $$ >> {pid_file}; exec sleep 300"],
+                      "user": "root"}],
+    }
+    agent = AgentProcess(tmp_path, template).start()
+    try:
+        assert eventually(lambda: pid_file.exists() and pid_file.read_text().strip() != "")
+        first = int(pid_file.read_text().split()[0])
+        assert first in _children(agent.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        assert eventually(lambda: len(pid_file.read_text().split()) >= 2)
+        second = int(pid_file.read_text().split()[1])
+        assert second != first
+        # The dead one was reaped, the new one is ours.
+        assert eventually(lambda: first not in _children(agent.proc.pid))
+        assert second in _children(agent.proc.pid)
+    finally:
+        agent.stop()
+    assert json.loads(agent.template_path.read_text())["services"][0]["name"] == "svc"
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+        except OSError:
+            return True
+
+    assert eventually(lambda: gone(second))  # a stopped agent takes its services with it

@@ -1,0 +1,67 @@
+"""The data-access module on a real SQLite file: budgets under contention, recovery after a dead gateway."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keepstate.gateway.ledger import reconcile
+from keepstate.gateway.prices import PriceTable
+from keepstate.gateway.store import Attempt, BudgetRefused, Run, Store, StoreError
+
+RUN = Run("run_1", "sess", "sbx", "key", None, "diverge", None, False)
+
+
+def attempt(key: str) -> Attempt:
+    return Attempt(key, RUN, "p", "gpt-4o", "chat", time.time())
+
+
+def dead_owner() -> str:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return f"{proc.stdout.strip()}:deadbeef"
+
+
+def test_reservations_refuse_before_overrun_across_connections(tmp_path: Path) -> None:
+    a, b = Store(tmp_path / "g.sqlite"), Store(tmp_path / "g.sqlite")
+    a.create_run(RUN, "h")
+    a.set_budget("session", "sess", 100)
+    a.begin_upstream(attempt("k1"), False, "h1", None, [("session", "sess")], 60)
+    with pytest.raises(BudgetRefused):
+        b.begin_upstream(attempt("k2"), False, "h2", None, [("session", "sess")], 60)
+    assert b.call("k2") is None  # nothing written for the refused call
+    a.finish_upstream(attempt("k1"), ok=True, outcome="ok", http_status=200, content_type="application/json",
+                      response=b"{}", usage=None, request_id=None, cost_nano=10, priced=True)
+    b.begin_upstream(attempt("k2"), False, "h2", None, [("session", "sess")], 60)
+    (budget,) = b.budgets()
+    assert (budget["spent_nano"], budget["reserved_nano"]) == (10, 60)
+
+
+def test_recover_marks_dead_gateways_calls_interrupted(tmp_path: Path) -> None:
+    dead = Store(tmp_path / "g.sqlite", owner=dead_owner())
+    dead.create_run(RUN, "h")
+    dead.set_budget("key", "key", 1000)
+    dead.begin_upstream(attempt("k1"), True, "h1", None, [("key", "key")], 300)
+    alive = Store(tmp_path / "g.sqlite")
+    assert alive.recover() == ["k1"]
+    call = alive.call("k1")
+    assert call is not None and call.status == "interrupted"
+    (entry,) = alive.entries()
+    assert (entry["kind"], entry["outcome"]) == ("upstream", "interrupted")
+    (budget,) = alive.budgets()
+    assert (budget["spent_nano"], budget["reserved_nano"]) == (300, 0)  # the provider may have billed it
+    found = reconcile(alive, PriceTable.load())
+    assert [m.check for m in found] == ["outcome"]
+    assert alive.recover() == []
+
+
+def test_schema_version_is_checked(tmp_path: Path) -> None:
+    s = Store(tmp_path / "g.sqlite")
+    s.db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    s.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        Store(tmp_path / "g.sqlite")

@@ -1,0 +1,96 @@
+"""Contexts, env vars, languages (bash, JavaScript), access token."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from e2b import NotFoundException, SandboxException
+from e2b_code_interpreter import Sandbox
+
+from tests.interpreter.conftest import js_available
+from tests.interpreter.stub import Stub
+
+
+def test_default_contexts_listed(sandbox: Sandbox, stub: Stub | None) -> None:
+    langs = sorted(c.language for c in sandbox.list_code_contexts())
+    assert langs == (["javascript", "python"] if js_available(stub) else ["python"])
+
+
+def test_create_list_restart_remove(sandbox: Sandbox, sandbox_home: str, tmp_path_factory) -> None:
+    ctx = sandbox.create_code_context(cwd="/tmp")
+    assert ctx.language == "python" and ctx.cwd == "/tmp"
+    assert ctx.id in [c.id for c in sandbox.list_code_contexts()]
+    assert sandbox.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
+
+    sandbox.run_code("v = 1", context=ctx)
+    sandbox.run_code("v = 2")  # the default context is another kernel
+    assert sandbox.run_code("v", context=ctx).text == "1"
+
+    sandbox.restart_code_context(ctx)
+    assert sandbox.run_code("v", context=ctx).error.name == "NameError"
+    assert sandbox.run_code("v").text == "2"
+
+    sandbox.remove_code_context(ctx.id)
+    assert ctx.id not in [c.id for c in sandbox.list_code_contexts()]
+    with pytest.raises(NotFoundException):
+        sandbox.run_code("1", context=ctx)
+    with pytest.raises(NotFoundException):
+        sandbox.remove_code_context(ctx.id)
+
+
+def test_env_vars_apply_for_one_execution(sandbox: Sandbox) -> None:
+    code = "import os; os.environ.get('KS_VAR', 'unset')"
+    assert sandbox.run_code(code, envs={"KS_VAR": "temp"}).text == "temp"
+    assert sandbox.run_code(code).text == "unset"
+
+
+def test_sandbox_env_vars_restored_after_override(stub: Stub | None) -> None:
+    sbx = Sandbox.create(envs={"KS_SBX": "sandbox"})
+    try:
+        code = "import os; os.environ.get('KS_SBX')"
+        assert sbx.run_code(code).text == "sandbox"
+        assert sbx.run_code(code, envs={"KS_SBX": "override"}).text == "override"
+        assert sbx.run_code(code).text == "sandbox"
+    finally:
+        sbx.kill()
+
+
+def test_bash(sandbox: Sandbox, sandbox_home: str) -> None:
+    execution = sandbox.run_code("X=5; echo $((X * 2)); pwd", language="bash")
+    assert execution.logs.stdout == ["10\n", f"{sandbox_home}\n"] or "".join(execution.logs.stdout) == f"10\n{sandbox_home}\n"
+    assert sandbox.run_code("echo $X", language="bash").logs.stdout == ["5\n"]
+    assert sandbox.run_code("echo $KS_B", language="bash", envs={"KS_B": "it's"}).logs.stdout == ["it's\n"]
+    assert sandbox.run_code("echo \"[$KS_B]\"", language="bash").logs.stdout == ["[]\n"]
+    failed = sandbox.run_code("exit_status_test() { return 3; }; exit_status_test", language="bash")
+    assert failed.error is not None and failed.error.value == "3"
+
+
+def test_javascript(sandbox: Sandbox, stub: Stub | None) -> None:
+    if not js_available(stub):
+        pytest.skip("no JavaScript kernel (tslab) installed")
+    execution = sandbox.run_code("const a = 20; console.log('hi'); a + 1", language="js")
+    # tslab prints the last expression's value instead of sending an execute_result.
+    assert execution.logs.stdout == ["hi\n", "21\n"]
+    assert sandbox.run_code("await Promise.resolve(a * 2)", language="javascript").logs.stdout == ["40\n"]
+    failed = sandbox.run_code("throw new TypeError('boom')", language="js")
+    assert failed.error is not None
+    assert (failed.error.name, failed.error.value) == ("TypeError", "boom")
+    # Right after an error tslab refuses requests for 200 ms; the bridge retries them.
+    assert sandbox.run_code("process.env.KS_JS", language="js", envs={"KS_JS": "j"}).logs.stdout == ["j\n"]
+    typed = sandbox.run_code("const n: number = 4; n * n", language="ts")
+    assert typed.logs.stdout == ["16\n"]
+
+
+def test_unsupported_language(sandbox: Sandbox) -> None:
+    with pytest.raises(SandboxException, match="400"):
+        sandbox.run_code("1", language="cobol")
+
+
+@pytest.mark.parametrize("token", ["not-the-token", None])
+def test_wrong_access_token_is_rejected(sandbox: Sandbox, token: str | None) -> None:
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    if token:
+        headers["X-Access-Token"] = token
+    body = {"code": "1", "context_id": None, "language": None, "env_vars": None}
+    resp = httpx.post(f"{sandbox._jupyter_url}/execute", json=body, headers=headers, timeout=30)
+    assert resp.status_code == 401

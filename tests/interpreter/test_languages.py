@@ -1,0 +1,50 @@
+"""Language names and env-var code (keepstate.agent.interpreter.languages)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keepstate.agent.interpreter import languages
+
+
+def test_normalize() -> None:
+    assert languages.normalize(None) == "python"
+    assert languages.normalize(" JS ") == "javascript"
+    assert languages.normalize("ts") == "typescript"
+    assert languages.normalize("Bash") == "bash"
+
+
+def test_unknown_language() -> None:
+    with pytest.raises(languages.LanguageError, match="cobol"):
+        languages.kernel_name("cobol")
+
+
+def test_env_names_are_checked() -> None:
+    with pytest.raises(languages.LanguageError):
+        languages.env_code("bash", {"A; rm -rf /": "x"})
+
+
+def test_python_env_code_runs() -> None:
+    code = languages.env_code("python", {"KS_A": "it's \"quoted\"\n"}, ["KS_GONE"])
+    assert code is not None
+    probe = code + "import os; print(repr(os.environ['KS_A']), 'KS_GONE' in os.environ)"
+    env = {**os.environ, "KS_GONE": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr("it's \"quoted\"\n") + " False"
+
+
+def test_bash_env_code_runs() -> None:
+    code = languages.env_code("bash", {"KS_A": "a'b $HOME"}, ["KS_GONE"])
+    out = subprocess.run(["bash", "-c", f"{code}\necho \"$KS_A|${{KS_GONE-none}}\""],
+                         env={**os.environ, "KS_GONE": "1"}, capture_output=True, text=True, check=True)
+    assert out.stdout == "a'b $HOME|none\n"
+
+
+def test_restore_plan() -> None:
+    back, gone = languages.restore_plan({"A": "x", "B": "y"}, {"A": "orig"})
+    assert back == {"A": "orig"} and gone == ["B"]
+    assert languages.env_code("python", {}, []) is None

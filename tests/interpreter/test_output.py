@@ -1,0 +1,72 @@
+"""Jupyter messages → NDJSON lines (keepstate.agent.interpreter.output), without kernels."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from keepstate.agent.interpreter.output import END, ExecutionOutput, encode, error_line, result_line
+
+WHEN = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+
+
+def msg(kind: str, **content: object) -> dict:
+    return {"msg_type": kind, "header": {"msg_type": kind, "date": WHEN}, "content": content}
+
+
+def test_result_line_maps_mime_types() -> None:
+    line = result_line({"text/plain": "'hi'", "image/png": "AAA", "e2b/data": {"a": [1]},
+                        "application/x-thing": 1}, True)
+    assert line == {"type": "result", "is_main_result": True, "text": "hi", "png": "AAA",
+                    "data": {"a": [1]}, "extra": {"application/x-thing": 1}}
+
+
+def test_full_execution() -> None:
+    out = ExecutionOutput()
+    lines = []
+    for m in [msg("status", execution_state="busy"), msg("execute_input", execution_count=3),
+              msg("stream", name="stdout", text="a\n"), msg("display_data", data={"text/html": "<b/>"}),
+              msg("execute_result", data={"text/plain": "2"}, execution_count=3)]:
+        lines += out.feed(m)
+    assert not out.done
+    lines += out.feed(msg("execute_reply", status="ok", execution_count=3))
+    assert not out.done  # idle not seen yet
+    lines += out.feed(msg("status", execution_state="idle"))
+    assert out.done
+    assert [line["type"] for line in lines] == ["number_of_executions", "stdout", "result", "result"]
+    assert lines[1]["timestamp"] == "2026-01-02T03:04:05+00:00"
+    assert lines[2]["is_main_result"] is False and lines[3]["is_main_result"] is True
+
+
+def test_error_reported_once() -> None:
+    out = ExecutionOutput()
+    lines = out.feed(msg("error", ename="ValueError", evalue="bad", traceback=["l1", "l2"]))
+    lines += out.feed(msg("execute_reply", status="error", ename="ValueError", evalue="bad",
+                          traceback=["l1", "l2"], execution_count=1))
+    errors = [line for line in lines if line["type"] == "error"]
+    assert errors == [error_line("ValueError", "bad", ["l1", "l2"])]
+    assert errors[0]["traceback"] == "l1\nl2"
+
+
+def test_error_only_in_reply_uses_stderr() -> None:
+    out = ExecutionOutput()
+    out.feed(msg("stream", name="stderr", text="at x\nTypeError: boom\n    at y\n"))
+    lines = out.feed(msg("execute_reply", status="error", execution_count=4))
+    assert lines[0] == {"type": "number_of_executions", "execution_count": 4}
+    assert (lines[1]["name"], lines[1]["value"]) == ("TypeError", "boom")
+
+
+def test_silent_and_aborted() -> None:
+    silent = ExecutionOutput(silent=True)
+    assert silent.feed(msg("stream", name="stdout", text="x")) == []
+    assert silent.feed(msg("execute_reply", status="ok", execution_count=1)) == []
+    aborted = ExecutionOutput()
+    assert aborted.feed(msg("execute_reply", status="abort")) == []
+    assert aborted.aborted
+
+
+def test_encode_is_one_line() -> None:
+    raw = encode({"type": "stdout", "text": "a\nb\n\n", "timestamp": "t"})
+    assert raw.count(b"\n") == 1 and raw.endswith(b"\n")
+    assert json.loads(raw)["text"] == "a\nb\n\n"
+    assert encode(END) == b'{"type": "end_of_execution"}\n'

@@ -1,0 +1,64 @@
+"""Start and reach KeepState servers for the SDK tests (no keepstate imports: runs in any SDK venv)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
+TEMPLATE_CACHE = "/var/lib/keepstate/templates"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_health(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+@dataclass
+class Server:
+    url: str
+    key: str
+    home: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KEEPSTATE_HOME": self.home, "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
+
+
+def start_server(home: str, port: int | None = None, pool: int = 2, extra: tuple[str, ...] = ()) -> Server:
+    """Start `keepstate serve` in its own process group, as a user would."""
+    port = port or free_port()
+    env = {**os.environ, "KEEPSTATE_HOME": home, "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
+    log = open(Path(home) / "server.log", "ab")
+    proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
+                             *extra], env=env, stdout=log, stderr=log, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_health(url, proc)
+    return Server(url=url, key="", home=home, proc=proc)
+
+
+def make_key(home: str) -> str:
+    env = {**os.environ, "KEEPSTATE_HOME": home}
+    return subprocess.check_output([str(KEEPSTATE), "keys", "create", "sdk-tests"], env=env,
+                                   stderr=subprocess.DEVNULL).decode().strip()
