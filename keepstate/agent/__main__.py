@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib.util
 
-    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    loop = os.environ.get("KEEPSTATE_AGENT_LOOP") or (
+        "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio")
     config = uvicorn.Config(
         AgentApp(SandboxSettings(template)),
         host=args.host,

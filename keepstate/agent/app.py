@@ -10,11 +10,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any
 
 from keepstate.agent import ENVD_VERSION
-from keepstate.agent.asgi import HTTPError, Message, Receive, Scope, Send, header, read_body, send_empty, send_error, send_json
+from keepstate.agent.asgi import (
+    HTTPError,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    header,
+    query,
+    read_body,
+    send_empty,
+    send_error,
+    send_json,
+)
 from keepstate.agent.auth import UNAUTHORIZED_MESSAGE, token_ok
+from keepstate.agent.journal import Journal, JournalQueryError, parse_query
 from keepstate.agent.reaper import REAPER
 from keepstate.agent.settings import SandboxSettings, SettingsError, parse_init
 
@@ -34,11 +48,13 @@ _PREFLIGHT = _CORS + [
 class AgentApp:
     def __init__(self, settings: SandboxSettings) -> None:
         self.settings = settings
+        self.journal = Journal()
         self._rpc: dict[str, Any] | None = None
         self._process_table: Any = None
         self._filesystem: Any = None
         self._supervisor: Any = None
         self._metrics: Any = None
+        self._sudo: Any = None
 
     # --- lazily built parts -----------------------------------------------------------------------------------
     def rpc_apps(self) -> dict[str, Any]:
@@ -49,8 +65,8 @@ class AgentApp:
             from keepstate.agent.proto.filesystem.filesystem_connect import FilesystemASGIApplication
             from keepstate.agent.proto.process.process_connect import ProcessASGIApplication
 
-            self._process_table = ProcessTable()
-            self._filesystem = FilesystemService(self.settings)
+            self._process_table = ProcessTable(journal=self.journal)
+            self._filesystem = FilesystemService(self.settings, self.journal)
             process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))  # type: ignore[arg-type]
             fs_app = FilesystemASGIApplication(self._filesystem)  # type: ignore[arg-type]
             self._rpc = {process_app.path + "/": process_app, fs_app.path + "/": fs_app}
@@ -91,6 +107,7 @@ class AgentApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 REAPER.install(asyncio.get_running_loop())
+                self._start_sudo()
                 if self.settings.template.services:
                     from keepstate.agent.services import Supervisor
 
@@ -104,8 +121,23 @@ class AgentApp:
                     self._process_table.kill_all()
                 if self._filesystem is not None:
                     self._filesystem.close()
+                if self._sudo is not None:
+                    self._sudo.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    def _start_sudo(self) -> None:
+        if os.geteuid() != 0:
+            return  # only root can run commands as someone else
+        from keepstate.agent.sudo_server import SudoServer, socket_path
+
+        server = SudoServer(socket_path(), lambda: self.settings.default_user, self.journal)
+        try:
+            server.start(asyncio.get_running_loop())
+        except OSError as e:
+            log.warning("sudo relay unavailable: cannot listen on %s: %s", server.path, e)
+            return
+        self._sudo = server
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -124,7 +156,7 @@ class AgentApp:
                 await files_http.download(scope, receive, send, self.settings)
                 return
             if method == "POST":
-                await files_http.upload(scope, receive, send, self.settings)
+                await files_http.upload(scope, receive, send, self.settings, self.journal)
                 return
             raise HTTPError(405, f"method {method} not allowed on /files")
         # Everything below needs the access token (once /init has set one).
@@ -142,6 +174,13 @@ class AgentApp:
 
                 self._metrics = MetricsSampler()
             await send_json(send, 200, self._metrics.sample())
+            return
+        if path == "/journal" and method == "GET":
+            try:
+                after, limit = parse_query(query(scope))
+            except JournalQueryError as e:
+                raise HTTPError(400, str(e)) from None
+            await send_json(send, 200, self.journal.page(after, limit))
             return
         if path == "/version" and method == "GET":
             await send_json(send, 200, {"version": ENVD_VERSION})

@@ -13,6 +13,8 @@ from typing import Any
 from keepstate.agent.asgi import HTTPError, Receive, Scope, Send, header, headers_with_prefix, iter_body, query, send_json
 from keepstate.agent.auth import AuthError, check_file_access
 from keepstate.agent.entry import MetadataError, replace_metadata, validate_metadata
+from keepstate.agent.journal import Journal
+from keepstate.agent.permissions import PermissionDenied, check_create, check_read, for_user
 from keepstate.agent.settings import SandboxSettings
 from keepstate.agent.users import BadPath, UnknownUser, User, lookup_user, make_dirs_for, resolve_path
 
@@ -66,6 +68,10 @@ async def download(scope: Scope, receive: Receive, send: Send, settings: Sandbox
     q, user = _authorize(scope, settings, "read")
     path = _resolve(q.get("path", ""), user, settings)
     try:
+        check_read(path, for_user(user.name, user.uid, user.gid))
+    except PermissionDenied as e:
+        raise HTTPError(403, str(e)) from None
+    try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise HTTPError(404, f"path '{path}' does not exist") from None
@@ -113,11 +119,15 @@ class FileWriter:
         self.path = path
         self._metadata = metadata
         self._buffer = bytearray()
+        self._size = 0
         try:
             if os.path.isdir(path):
                 raise HTTPError(400, f"path '{path}' is a directory")
+            check_create(path, for_user(user.name, user.uid, user.gid))
             make_dirs_for(os.path.dirname(path), user)
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        except PermissionDenied as e:
+            raise HTTPError(403, str(e)) from None
         except OSError as e:
             raise _write_error(e, path) from None
         try:
@@ -128,6 +138,7 @@ class FileWriter:
             raise _write_error(e, path) from None
 
     def write(self, data: bytes) -> None:
+        self._size += len(data)
         self._buffer += data
         if len(self._buffer) >= WRITE_BUFFER:
             self._flush()
@@ -152,7 +163,9 @@ class FileWriter:
             raise _write_error(e, self.path) from None
         finally:
             os.close(self._fd)
-        result: dict[str, Any] = {"path": self.path, "name": os.path.basename(self.path), "type": "file"}
+        # `_size` is for the journal; upload() removes it before answering.
+        result: dict[str, Any] = {"path": self.path, "name": os.path.basename(self.path), "type": "file",
+                                  "_size": self._size}
         if self._metadata:
             result["metadata"] = dict(self._metadata)
         return result
@@ -271,7 +284,8 @@ class _MultipartUpload:
             self._writer.abort()
 
 
-async def upload(scope: Scope, receive: Receive, send: Send, settings: SandboxSettings) -> None:
+async def upload(scope: Scope, receive: Receive, send: Send, settings: SandboxSettings,
+                 journal: Journal | None = None) -> None:
     q, user = _authorize(scope, settings, "write")
     metadata = _metadata(scope)
     content_type = header(scope, "content-type") or ""
@@ -293,6 +307,12 @@ async def upload(scope: Scope, receive: Receive, send: Send, settings: SandboxSe
         raise HTTPError(400, f"unsupported Content-Type '{content_type}': use multipart/form-data or application/octet-stream")
     if not results:
         raise HTTPError(400, "no file in the request")
+    if journal is not None:
+        for r in results:
+            journal.append("file.write", {"path": r["path"], "size": r.pop("_size"), "user": user.name})
+    else:
+        for r in results:
+            r.pop("_size")
     await send_json(send, 200, results)
 
 

@@ -8,7 +8,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from connectrpc.code import Code
@@ -16,6 +16,20 @@ from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from keepstate.agent.entry import entry_info
+from keepstate.agent.journal import Journal
+from keepstate.agent.permissions import (
+    R,
+    X,
+    Identity,
+    PermissionDenied,
+    allowed,
+    check_create,
+    check_list,
+    check_move,
+    check_remove,
+    check_stat,
+    for_user,
+)
 from keepstate.agent.proto.filesystem.filesystem_pb import (
     CreateWatcherRequest,
     CreateWatcherResponse,
@@ -59,9 +73,9 @@ def _os_error(e: OSError, path: str) -> ConnectError:
     return ConnectError(Code.INTERNAL, f"{e.strerror or e}: '{path}'")
 
 
-def walk_entries(root: str, display_root: str, depth: int) -> Iterator[EntryInfo]:
+def walk_entries(root: str, display_root: str, depth: int, who: Identity | None = None) -> Iterator[EntryInfo]:
     """Pre-order, lexically sorted per directory, excluding the root, at most `depth` levels deep.
-    Symlinked directories are reported but not descended into."""
+    Symlinked directories are reported but not descended into, nor are those `who` may not list (like `find`)."""
     def visit(real_dir: str, shown_dir: str, level: int) -> Iterator[EntryInfo]:
         try:
             names = sorted(os.listdir(real_dir))
@@ -75,10 +89,18 @@ def walk_entries(root: str, display_root: str, depth: int) -> Iterator[EntryInfo
             except OSError:
                 continue  # removed while listing
             yield info
-            if is_dir and level < depth:
+            if is_dir and level < depth and (who is None or _may_list(real, who)):
                 yield from visit(real, shown, level + 1)
 
     yield from visit(root, display_root, 1)
+
+
+def _may_list(path: str, who: Identity) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return allowed(st.st_mode, st.st_uid, st.st_gid, who, R | X)
 
 
 class _PolledWatcher:
@@ -94,36 +116,48 @@ class _PolledWatcher:
 
 
 class FilesystemService:
-    def __init__(self, settings: SandboxSettings) -> None:
+    def __init__(self, settings: SandboxSettings, journal: Journal | None = None) -> None:
         self._settings = settings
+        self._journal = journal or Journal()
         self._watchers: dict[str, _PolledWatcher] = {}
 
-    def _user_path(self, path: str, ctx: Any) -> tuple[User, str]:
+    def _user_path(self, path: str, ctx: Any, check: Callable[[str, Identity], None]) -> tuple[User, str]:
+        """The request's user and resolved path, once `check` says that user may do this to it."""
         user = request_user(self._settings, ctx)
-        return user, request_path(self._settings, path, user)
+        resolved = request_path(self._settings, path, user)
+        try:
+            check(resolved, for_user(user.name, user.uid, user.gid))
+        except PermissionDenied as e:
+            raise ConnectError(Code.PERMISSION_DENIED, str(e)) from None
+        return user, resolved
 
     async def stat(self, request: StatRequest, ctx: Any) -> StatResponse:
-        _, path = self._user_path(request.path, ctx)
+        _, path = self._user_path(request.path, ctx, check_stat)
         try:
             return StatResponse(entry=entry_info(path))
         except OSError as e:
             raise _os_error(e, path) from None
 
     async def make_dir(self, request: MakeDirRequest, ctx: Any) -> MakeDirResponse:
-        user, path = self._user_path(request.path, ctx)
+        user, path = self._user_path(request.path, ctx, check_create)
         try:
             if os.path.lexists(path):
                 if os.path.isdir(path):
                     raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists")
                 raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' already exists and is not a directory")
             make_dirs_for(path, user)
+            self._journal.append("dir.make", {"path": path})
             return MakeDirResponse(entry=entry_info(path))
         except OSError as e:
             raise _os_error(e, path) from None
 
     async def move(self, request: MoveRequest, ctx: Any) -> MoveResponse:
-        user, source = self._user_path(request.source, ctx)
+        user, source = self._user_path(request.source, ctx, lambda path, who: None)
         destination = request_path(self._settings, request.destination, user)
+        try:
+            check_move(source, destination, for_user(user.name, user.uid, user.gid))
+        except PermissionDenied as e:
+            raise ConnectError(Code.PERMISSION_DENIED, str(e)) from None
         if not os.path.lexists(source):
             raise ConnectError(Code.NOT_FOUND, f"source '{source}' does not exist")
         try:
@@ -134,12 +168,13 @@ class FilesystemService:
                 if e.errno != errno.EXDEV:
                     raise
                 shutil.move(source, destination)
+            self._journal.append("file.move", {"source": source, "destination": destination})
             return MoveResponse(entry=entry_info(destination))
         except OSError as e:
             raise _os_error(e, destination) from None
 
     async def list_dir(self, request: ListDirRequest, ctx: Any) -> ListDirResponse:
-        _, path = self._user_path(request.path, ctx)
+        user, path = self._user_path(request.path, ctx, check_list)
         try:
             st = os.stat(path)  # follows a symlinked dir, like envd
         except OSError as e:
@@ -147,23 +182,24 @@ class FilesystemService:
         if not stat.S_ISDIR(st.st_mode):
             raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
         real = os.path.realpath(path)
-        return ListDirResponse(entries=list(walk_entries(real, path, max(request.depth, 1))))
+        return ListDirResponse(entries=list(walk_entries(real, path, max(request.depth, 1), for_user(user.name, user.uid, user.gid))))
 
     async def remove(self, request: RemoveRequest, ctx: Any) -> RemoveResponse:
-        _, path = self._user_path(request.path, ctx)
+        _, path = self._user_path(request.path, ctx, check_remove)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
         except FileNotFoundError:
-            pass  # removing what is not there is not an error
+            return RemoveResponse()  # removing what is not there is not an error (nor an action)
         except OSError as e:
             raise _os_error(e, path) from None
+        self._journal.append("file.remove", {"path": path})
         return RemoveResponse()
 
     def _open_watch(self, request: WatchDirRequest | CreateWatcherRequest, ctx: Any, sink: Any) -> DirWatcher:
-        _, path = self._user_path(request.path, ctx)
+        _, path = self._user_path(request.path, ctx, check_list)
         try:
             st = os.stat(path)
         except OSError as e:

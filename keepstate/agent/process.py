@@ -15,11 +15,12 @@ import signal
 import struct
 import subprocess
 import termios
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from protobuf import Oneof
 
+from keepstate.agent.journal import Journal
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
 from keepstate.agent.users import User
@@ -136,6 +137,7 @@ class ManagedProcess:
         self._deadline: asyncio.TimerHandle | None = None
         self._grace: asyncio.TimerHandle | None = None
         self.ended = asyncio.Event()
+        self.on_end: Callable[[ManagedProcess], None] | None = None  # before any stream sees the end event
         self._popen = self._spawn()
         self.pid = self._popen.pid
 
@@ -219,6 +221,8 @@ class ManagedProcess:
                 os.close(input_fd)
         self._stdin_fd = self._pty_fd = None
         self._end = end_event(self._exit)
+        if self.on_end is not None:
+            self.on_end(self)
         self._broadcast(self._end)
         self._broadcast(None)
         self._subscribers.clear()
@@ -279,6 +283,10 @@ class ManagedProcess:
     @property
     def end(self) -> ProcessEvent | None:
         return self._end
+
+    @property
+    def exit(self) -> ExitInfo | None:
+        return self._exit
 
     def subscribe(self) -> asyncio.Queue[ProcessEvent | None]:
         """Live events from now on; the queue receives None after the end event."""
@@ -362,9 +370,10 @@ async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> N
 class ProcessTable:
     """Every process started through the API, by pid and by tag."""
 
-    def __init__(self, reaper: ChildReaper = REAPER) -> None:
+    def __init__(self, reaper: ChildReaper = REAPER, journal: Journal | None = None) -> None:
         self._by_pid: dict[int, ManagedProcess] = {}
         self._reaper = reaper
+        self._journal = journal or Journal()
 
     def start(self, spec: SpawnSpec, lifetime_s: float | None) -> ManagedProcess:
         loop = asyncio.get_running_loop()
@@ -373,9 +382,20 @@ class ProcessTable:
             raise InvalidProcessRequest(f"a running process already has tag '{spec.tag}'")
         proc = ManagedProcess(spec, loop)
         self._by_pid[proc.pid] = proc
+        self._journal.append("process.start", {
+            "pid": proc.pid, "cmd": spec.cmd, "args": list(spec.args), "cwd": spec.cwd, "user": spec.user.name,
+            "tag": spec.tag, "pty": spec.pty_size is not None,
+        })
+        proc.on_end = self._journal_exit
         proc.start(self._reaper, lifetime_s)
         loop.create_task(self._forget_later(proc))
         return proc
+
+    def _journal_exit(self, proc: ManagedProcess) -> None:
+        if proc.exit is not None:
+            self._journal.append("process.exit", {
+                "pid": proc.pid, "exitCode": proc.exit.exit_code, "status": proc.exit.status,
+            })
 
     async def _forget_later(self, proc: ManagedProcess) -> None:
         await proc.ended.wait()

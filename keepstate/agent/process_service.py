@@ -12,6 +12,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from keepstate.agent.permissions import PermissionDenied, check_enter, for_user
 from keepstate.agent.process import (
     KEEPALIVE_EVENT,
     ManagedProcess,
@@ -46,6 +47,8 @@ from keepstate.agent.rpc_context import deadline_s, keepalive_interval, request_
 from keepstate.agent.settings import SandboxSettings
 from keepstate.agent.users import process_env
 
+# An agent told to listen for sudo elsewhere (host-mode tests) tells the sudo clients it starts, too.
+_SUDO_ENV = {k: v for k in ("KEEPSTATE_SUDO_SOCKET",) if (v := os.environ.get(k))}
 _CODES = {"not_found": Code.NOT_FOUND, "invalid_argument": Code.INVALID_ARGUMENT, "internal": Code.INTERNAL}
 _SIGNALS = {Signal.SIGKILL: signal.SIGKILL, Signal.SIGTERM: signal.SIGTERM}
 
@@ -100,6 +103,11 @@ class ProcessService:
         cwd = request_path(self._settings, config.cwd if config.has_field("cwd") else "", user)
         if not os.path.isdir(cwd):
             raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist")
+        try:
+            # The child changes directory before it drops to the user: check as the user would be checked.
+            check_enter(cwd, for_user(user.name, user.uid, user.gid))
+        except PermissionDenied as e:
+            raise ConnectError(Code.PERMISSION_DENIED, str(e)) from None
         pty_size = None
         if request.has_field("pty"):
             size = request.pty.size if request.pty is not None else None
@@ -107,7 +115,7 @@ class ProcessService:
         spec = SpawnSpec(
             cmd=config.cmd,
             args=list(config.args),
-            env=process_env(user, self._settings.env_vars, dict(config.envs)),
+            env=process_env(user, {**_SUDO_ENV, **self._settings.env_vars}, dict(config.envs)),
             cwd=cwd,
             user=user,
             # Older SDKs never send `stdin` and expect a pipe: absent means true.

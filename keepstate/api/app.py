@@ -8,6 +8,7 @@ REST API. Every error leaves as JSON {"code", "message"}.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ from aiohttp import web
 from keepstate.db.catalog import Catalog
 from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
 
-from . import control
+from . import control, events
+from .keys import CATALOG, ENVD_VERSION, MANAGER
 from .router import Router, target_of
 
 log = logging.getLogger("keepstate.api")
@@ -37,6 +41,7 @@ class ServerConfig:
     warm_templates: tuple[str, ...] = ("base",)
     open_ports: tuple[int, ...] = field(default_factory=tuple)
     reap_on_exit: bool = False
+    store_url: str | None = None  # default file://<home>/store; s3://bucket/prefix?endpoint=... to share
 
 
 def _envd_version() -> str:
@@ -74,7 +79,13 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
     catalog = Catalog(config.home / "catalog.sqlite")
     runtime = runtime or GVisorRuntime(config.home / "sandboxes")
     envd_version = _envd_version()
-    manager = SandboxManager(catalog, runtime, pool_size=config.pool_size, agent_version=envd_version)
+    sessions = SessionDB(config.home / DB_FILE)
+    event_log, lineage = EventLog(sessions), Lineage(sessions)
+    poller = JournalPoller(event_log, interval=1.0)
+    recorder = SessionRecorder(event_log, lineage, poller)
+    durable = Durability(config.home, runtime, config.store_url)
+    manager = SandboxManager(catalog, runtime, recorder=recorder, durable=durable, pool_size=config.pool_size,
+                             agent_version=envd_version, host_name=socket.gethostname())
     router = Router(manager)
     keys = KeyCache(catalog)
 
@@ -104,18 +115,22 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
                                      status=500, headers={"Should-Retry": "false"})
 
     app = web.Application(middlewares=[dispatch], client_max_size=MAX_JSON_BODY, handler_args={"max_field_size": 65536})
-    app["manager"] = manager
-    app["catalog"] = catalog
-    app["router"] = router
-    app["envd_version"] = envd_version
+    app[MANAGER] = manager
+    app[CATALOG] = catalog
+    app[ENVD_VERSION] = envd_version
+    app[events.EVENTS] = event_log
+    app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
+    app.add_routes(events.routes)
 
     async def on_startup(app: web.Application) -> None:
         await router.start()
+        await poller.start()
         await manager.start(open_ports=config.open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
         await manager.stop(reap=config.reap_on_exit)
+        await poller.stop()
         await router.stop()
         catalog.close()
 

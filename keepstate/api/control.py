@@ -14,16 +14,17 @@ from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
 from keepstate.sandbox.manager import SandboxManager
 
 from . import schemas
+from .keys import ENVD_VERSION, MANAGER
 
 routes = web.RouteTableDef()
 
 
 def manager(request: web.Request) -> SandboxManager:
-    return request.app["manager"]  # type: ignore[no-any-return]
+    return request.app[MANAGER]
 
 
 def envd_version(request: web.Request) -> str:
-    return request.app["envd_version"]  # type: ignore[no-any-return]
+    return request.app[ENVD_VERSION]
 
 
 async def json_body(request: web.Request, required: bool = True) -> Any:
@@ -132,8 +133,72 @@ async def metrics(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/pause")
 async def pause(request: web.Request) -> web.Response:
-    manager(request).get(sid(request))
-    raise Unsupported("pause is not available on this server yet: sandboxes can be killed, not paused")
+    body = await json_body(request, required=False) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    await manager(request).pause(sid(request), memory=memory)
+    return web.Response(status=204)
+
+
+@routes.post("/sandboxes/{sandbox_id}/snapshots")
+async def create_snapshot(request: web.Request) -> web.Response:
+    body = await json_body(request, required=False) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("memory") is False:
+        raise Unsupported("filesystem-only snapshots (memory: false) are not supported by the gVisor runtime")
+    info = await manager(request).snapshot(sid(request), body.get("name"))
+    return web.json_response(info, status=201)
+
+
+@routes.get("/snapshots")
+async def list_snapshots(request: web.Request) -> web.Response:
+    snaps = manager(request).catalog.snapshots()
+    if request.query.get("sandboxID"):
+        snaps = [s for s in snaps if s["sandbox_id"] == request.query["sandboxID"]]
+    if request.query.get("name"):
+        snaps = [s for s in snaps if request.query["name"] in s["names"]]
+    try:
+        limit = int(request.query.get("limit", "100"))
+        start = int(request.query.get("nextToken", "0") or 0)
+    except ValueError:
+        raise BadRequest("`limit` and `nextToken` must be whole numbers") from None
+    page = snaps[start:start + max(1, min(limit, 100))]
+    headers = {"X-Next-Token": str(start + len(page))} if start + len(page) < len(snaps) else {}
+    return web.json_response([{"snapshotID": s["snapshot_id"], "names": s["names"]} for s in page],
+                             headers=headers)
+
+
+@routes.delete("/templates/{template_id}")
+async def delete_snapshot(request: web.Request) -> web.Response:
+    m = manager(request)
+    snap = m.find_snapshot(request.match_info["template_id"])
+    if snap is None:
+        raise NotFound(f"snapshot '{request.match_info['template_id']}' not found")
+    m.catalog.delete_snapshot(snap["snapshot_id"])
+    return web.Response(status=204)
+
+
+@routes.post("/sandboxes/{sandbox_id}/fork")
+async def fork(request: web.Request) -> web.Response:
+    body = await json_body(request, required=False) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    count = body.get("count", 1)
+    timeout = schemas.parse_timeout_body({"timeout": body["timeout"]} if "timeout" in body else {}, required=False)
+    results = await manager(request).fork(sid(request), count, timeout)
+    out = []
+    for r in results:
+        if "row" in r:
+            out.append({"sandbox": schemas.sandbox(r["row"], envd_version(request))})
+        else:
+            exc = r["error"]
+            body_ = exc.body() if isinstance(exc, KeepStateError) else {"code": 500, "message": str(exc)}
+            out.append({"error": body_})
+    return web.json_response(out, status=201)
 
 
 def error_response(exc: KeepStateError) -> web.Response:

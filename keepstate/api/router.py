@@ -63,26 +63,60 @@ class Router:
     def __init__(self, manager: SandboxManager, max_upload: int = 2 << 30) -> None:
         self.manager = manager
         self.max_upload = max_upload
-        self._client: aiohttp.ClientSession | None = None
+        # One connection pool per sandbox, so that all connections into one sandbox can be closed
+        # before it is checkpointed: a TCP connection open in gVisor's netstack at checkpoint time
+        # wedges the agent after restore.
+        self._clients: dict[str, aiohttp.ClientSession] = {}
         # Transports of in-flight requests per sandbox (requests themselves are not hashable).
         self._inflight: dict[str, set[asyncio.BaseTransport]] = defaultdict(set)
+        # Sandboxes being checkpointed while they keep running: new requests wait for the event.
+        self._holds: dict[str, asyncio.Event] = {}
         manager.kill_listeners.append(self.abort)
+        manager.router = self
 
     async def start(self) -> None:
-        self._client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
+        pass
 
     async def stop(self) -> None:
-        if self._client:
-            await self._client.close()
+        for client in list(self._clients.values()):
+            await client.close()
+        self._clients.clear()
+
+    def _client_for(self, sandbox_id: str) -> aiohttp.ClientSession:
+        client = self._clients.get(sandbox_id)
+        if client is None or client.closed:
+            client = self._clients[sandbox_id] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+        return client
 
     def abort(self, sandbox_id: str) -> None:
         """Drop every in-flight stream of a sandbox that was killed, paused or timed out."""
         for transport in list(self._inflight.pop(sandbox_id, ())):
             transport.close()
+        client = self._clients.pop(sandbox_id, None)
+        if client is not None:
+            asyncio.get_running_loop().create_task(client.close())
+
+    async def quiesce(self, sandbox_id: str, hold: bool) -> None:
+        """Before a checkpoint: no connection into the sandbox may stay open.
+
+        With hold=True (the sandbox keeps running) new requests wait until release().
+        """
+        if hold:
+            self._holds.setdefault(sandbox_id, asyncio.Event())
+        for transport in list(self._inflight.pop(sandbox_id, ())):
+            transport.close()
+        client = self._clients.pop(sandbox_id, None)
+        if client is not None:
+            await client.close()
+
+    def release(self, sandbox_id: str) -> None:
+        event = self._holds.pop(sandbox_id, None)
+        if event is not None:
+            event.set()
 
     def match_signed_file(self, request: web.Request) -> SandboxRow | None:
         sig = request.query.get("signature")
@@ -98,6 +132,12 @@ class Router:
         return None
 
     async def handle(self, request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
+        hold = self._holds.get(sandbox_id)
+        if hold is not None:
+            try:
+                await asyncio.wait_for(hold.wait(), timeout=120)
+            except asyncio.TimeoutError:
+                pass
         row = self.manager.route(sandbox_id)
         if row is None:
             return not_found(sandbox_id)
@@ -122,7 +162,7 @@ class Router:
                 self._inflight.get(sandbox_id, set()).discard(transport)
 
     async def _http(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
-        assert self._client is not None
+        client = self._client_for(row.sandbox_id)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         data: Any = None
         if request.body_exists:
@@ -131,7 +171,7 @@ class Router:
             data = request.content.iter_any()
         url = f"http://{row.address}:{port}{request.rel_url}"
         try:
-            upstream_cm = self._client.request(request.method, url, headers=headers, data=data,
+            upstream_cm = client.request(request.method, url, headers=headers, data=data,
                                                allow_redirects=False, compress=None)
             upstream = await upstream_cm.__aenter__()
         except aiohttp.ClientConnectorError:
@@ -163,12 +203,12 @@ class Router:
             await upstream_cm.__aexit__(None, None, None)
 
     async def _websocket(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
-        assert self._client is not None
+        client = self._client_for(row.sandbox_id)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")}
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         try:
-            upstream = await self._client.ws_connect(f"http://{row.address}:{port}{request.rel_url}",
+            upstream = await client.ws_connect(f"http://{row.address}:{port}{request.rel_url}",
                                                      headers=headers, protocols=protocols)
         except aiohttp.ClientConnectorError:
             return port_closed(row.sandbox_id, port)

@@ -54,10 +54,13 @@ def parse_create(body: Any) -> CreateRequest:
         raise BadRequest("`cpuCount` must be a number between 1 and 64")
     if mem is not None and (not isinstance(mem, int) or isinstance(mem, bool) or not 64 <= mem <= 65536):
         raise BadRequest("`memoryMB` must be a whole number between 64 and 65536")
+    gateway = body.get("gateway", True)
+    if not isinstance(gateway, bool):
+        raise BadRequest("`gateway` must be a boolean")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
         env_vars=_str_map(body, "envVars"), auto_pause=auto_pause, cpu=cpu, memory_mb=mem,
-        allow_internet_access=aia,
+        allow_internet_access=aia, gateway=gateway,
     )
 
 
@@ -95,6 +98,8 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
 
 def detail(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     out = _common(row, envd_version)
+    if row.state == "paused":
+        out["pauseMode"] = "full"
     out.update({
         "envdAccessToken": row.access_token, "domain": None,
         "allowInternetAccess": row.doc.get("allowInternetAccess"),

@@ -18,12 +18,15 @@ from .common import home_option
               help="Pre-started sandboxes kept ready per template (0 disables the warm pool).")
 @click.option("--warm", default="base", show_default=True,
               help="Comma-separated templates to build (if needed) and keep warm at start.")
+@click.option("--store", "store_url", default=None, envvar="KEEPSTATE_STORE",
+              help="Checkpoint store URL: file:///path (default <home>/store) or "
+                   "s3://bucket/prefix?endpoint=http://host:8333 (share it to resume on another server).")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
-def serve(listen: str, pool_size: int, warm: str, reap_on_exit: bool, log_level: str) -> None:
+def serve(listen: str, pool_size: int, warm: str, store_url: str | None, reap_on_exit: bool, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -45,7 +48,8 @@ def serve(listen: str, pool_size: int, warm: str, reap_on_exit: bool, log_level:
     for name in warm_names:
         builder.ensure_built(name)
     config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
-                          warm_templates=warm_names, reap_on_exit=reap_on_exit)
+                          warm_templates=warm_names, reap_on_exit=reap_on_exit,
+                          store_url=store_url)
     try:
         import uvloop
 

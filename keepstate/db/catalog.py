@@ -44,6 +44,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (
+    snapshot_id TEXT PRIMARY KEY,
+    names TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    template_id TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 
 
@@ -180,6 +188,29 @@ class Catalog:
         else:
             rows = self._q("SELECT * FROM sandboxes")
         return [self._sandbox(r) for r in rows]
+
+    # -- snapshots (checkpoints usable as templateID) ------------------------------------
+    def put_snapshot(self, snapshot_id: str, names: list[str], checkpoint_id: str, sandbox_id: str,
+                     template_id: str) -> None:
+        self._q("INSERT INTO snapshots (snapshot_id,names,checkpoint_id,sandbox_id,template_id,created_at) "
+                "VALUES (?,?,?,?,?,?)",
+                (snapshot_id, json.dumps(names), checkpoint_id, sandbox_id, template_id, time.time()))
+
+    def get_snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
+        rows = self._q("SELECT * FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
+        return self._snapshot(rows[0]) if rows else None
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        return [self._snapshot(r) for r in self._q("SELECT * FROM snapshots ORDER BY created_at, snapshot_id")]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM snapshots WHERE snapshot_id=?", (snapshot_id,)).rowcount > 0
+
+    @staticmethod
+    def _snapshot(r: sqlite3.Row) -> dict[str, Any]:
+        return {"snapshot_id": r["snapshot_id"], "names": json.loads(r["names"]), "checkpoint_id": r["checkpoint_id"],
+                "sandbox_id": r["sandbox_id"], "template_id": r["template_id"], "created_at": r["created_at"]}
 
     def used_slots(self) -> set[int]:
         return {r["slot"] for r in self._q("SELECT slot FROM sandboxes WHERE slot >= 0")}

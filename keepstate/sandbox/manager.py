@@ -27,9 +27,12 @@ from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Una
 from keepstate.runtime import network
 from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
 from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.session import SessionRecorder
 from keepstate.template import builder
 from keepstate.template.definition import load as load_definition
 
+from .checkpointing import Checkpointing
+from .durable import Durability
 from .pool import Pool
 
 log = logging.getLogger("keepstate.sandbox")
@@ -55,6 +58,7 @@ class CreateRequest:
     cpu: float | None = None
     memory_mb: int | None = None
     allow_internet_access: bool | None = None
+    gateway: bool = True  # our extension: false keeps the metering gateway's variables out
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
@@ -65,11 +69,20 @@ def check_timeout(value: Any, field_name: str = "timeout") -> int:
     return int(value)
 
 
-class SandboxManager:
-    def __init__(self, catalog: Catalog, runtime: GVisorRuntime, *, pool_size: int = 2,
-                 agent_version: str = "0.6.13") -> None:
+class SandboxManager(Checkpointing):
+    def __init__(self, catalog: Catalog, runtime: GVisorRuntime, *, recorder: SessionRecorder,
+                 durable: Durability, pool_size: int = 2, agent_version: str = "0.6.13",
+                 gateway: Any = None, gateway_url: str | None = None, host_name: str = "") -> None:
         self.catalog = catalog
         self.runtime = runtime
+        self.recorder = recorder
+        self.durable = durable
+        self.gateway = gateway
+        self.gateway_url = gateway_url
+        self.host_name = host_name
+        self.router: Any = None
+        self._pausing: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
         self.pool_size = pool_size
         self.agent_version = agent_version
         self.pools: dict[str, Pool] = {}
@@ -85,8 +98,9 @@ class SandboxManager:
 
     # -- start and stop --------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
+        # No keep-alive: an idle connection left in a sandbox's netstack would wedge its agent after a restore.
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
-                                           connector=aiohttp.TCPConnector(limit=0))
+                                           connector=aiohttp.TCPConnector(limit=0, force_close=True))
         await asyncio.to_thread(network.install_firewall, open_ports)
         await self._adopt()
         loop = asyncio.get_running_loop()
@@ -228,18 +242,37 @@ class SandboxManager:
             delay = min(delay * 1.5, 0.1)
 
     async def _init_agent(self, row: SandboxRow, env: dict[str, str], user: str, workdir: str,
-                          previous_token: str | None = None) -> None:
+                          previous_token: str | None = None, fork: bool = False) -> None:
         assert self._http is not None
         headers = {"X-Access-Token": previous_token} if previous_token else {}
-        body = {"accessToken": row.access_token, "envVars": env, "defaultUser": user,
-                "defaultWorkdir": workdir, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        body: dict[str, Any] = {
+            "accessToken": row.access_token, "envVars": env, "defaultUser": user, "defaultWorkdir": workdir,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "sandboxId": row.sandbox_id, "sessionId": row.doc.get("session_id", row.sandbox_id),
+        }
+        if fork:
+            body["fork"] = {"parent": row.doc.get("forked_from"), "checkpointId": row.doc.get("checkpoint_id")}
         async with self._http.post(f"http://{row.address}:49983/init", json=body, headers=headers) as r:
             if r.status >= 300:
                 raise RuntimeFailure(f"agent of {row.sandbox_id} refused init: {r.status} {await r.text()}")
 
+    def _sandbox_env(self, row: SandboxRow) -> dict[str, str]:
+        """Template env, then the metering gateway's variables, then the create request's own."""
+        env = dict(row.doc.get("templateEnv", {}))
+        if self.gateway is not None and self.gateway_url and row.doc.get("gateway", True):
+            token = self.gateway.register_run(row.doc.get("session_id", row.sandbox_id), row.sandbox_id,
+                                              row.api_key_id, row.doc.get("checkpoint_id"))
+            row.doc["gatewayToken"] = token
+            env.update(self.gateway.sandbox_env(token, self.gateway_url))
+        env.update(row.doc.get("envVars", {}))
+        return env
+
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         if req.timeout <= 0:
             raise BadRequest("`timeout` must be a positive number of seconds")
+        snap = self.find_snapshot(req.template_id)
+        if snap is not None:
+            return await self._create_from_snapshot(snap, req, api_key_id)
         built = await self._built(req.template_id)
         d = built.defaults
         limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
@@ -257,18 +290,38 @@ class SandboxManager:
         row.end_at = now + req.timeout
         row.api_key_id = api_key_id
         row.doc = {
-            "metadata": dict(req.metadata), "envVars": dict(req.env_vars),
+            "metadata": dict(req.metadata), "envVars": dict(req.env_vars), "templateEnv": dict(d.env),
             "autoPause": req.auto_pause, "allowInternetAccess": req.allow_internet_access,
-            "user": d.user, "workdir": d.workdir,
+            "user": d.user, "workdir": d.workdir, "session_id": row.sandbox_id, "gateway": req.gateway,
         }
         try:
-            await self._init_agent(row, {**d.env, **req.env_vars}, d.user, d.workdir)
+            await self._init_agent(row, self._sandbox_env(row), d.user, d.workdir)
             self.catalog.rename_sandbox(old_id, row)
         except BaseException:
             await self._reap(row, catalog_id=old_id)
             raise
         self.live[row.sandbox_id] = row
+        self.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
+                              agent_url=f"http://{row.address}:49983", token=row.access_token)
         return row
+
+    async def _create_from_snapshot(self, snap: dict[str, Any], req: CreateRequest,
+                                    api_key_id: str | None) -> SandboxRow:
+        manifest = await asyncio.to_thread(self.durable.manifest, snap["checkpoint_id"])
+        import json
+
+        info = json.loads(manifest.meta.labels["sandbox"])
+        parent = SandboxRow(sandbox_id=snap["sandbox_id"], state="running", template_id=info["template_id"],
+                            template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
+                            access_token=info["access_token"], started_at=info["started_at"], end_at=0,
+                            cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]), api_key_id=api_key_id,
+                            doc={**info["doc"], "metadata": dict(req.metadata),
+                                 "envVars": {**info["doc"].get("envVars", {}), **req.env_vars},
+                                 "autoPause": req.auto_pause})
+        result = (await self.spawn_from(manifest, parent, 1, req.timeout, api_key_id))[0]
+        if "error" in result:
+            raise result["error"]
+        return result["row"]
 
     # -- reading -------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRow:
@@ -282,35 +335,50 @@ class SandboxManager:
 
     def route(self, sandbox_id: str) -> SandboxRow | None:
         row = self.live.get(sandbox_id)
-        if row is None or row.sandbox_id in self._killing:
+        if row is None or sandbox_id in self._killing or sandbox_id in self._pausing:
             return None
         return row
 
     # -- changing ------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         row = self.get(sandbox_id)
+        if row.state != "running":
+            raise Conflict(f"sandbox '{sandbox_id}' is {row.state}; connect to resume it first")
         row.end_at = time.time() + max(0, seconds)
         self.catalog.put_sandbox(row)
+        self.recorder.record(row.doc.get("session_id", sandbox_id), "sandbox.timeout.set", {"timeout": seconds})
         if seconds <= 0:
             await self._expire(row)
 
     async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
-        row = self.get(sandbox_id)
-        if row.state == "running":
-            row.end_at = max(row.end_at, time.time() + timeout)  # never shortened
-            self.catalog.put_sandbox(row)
-            return row, False
-        raise Conflict(f"sandbox '{sandbox_id}' is {row.state} and cannot be resumed by this server")
+        row = self.live.get(sandbox_id) or self.catalog.get_sandbox(sandbox_id)
+        if row is None or row.state not in ("running", "paused"):
+            row = await asyncio.to_thread(self._row_from_store, sandbox_id)
+            if row is None:
+                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+        async with self._lock(sandbox_id):
+            if row.state == "running":
+                row.end_at = max(row.end_at, time.time() + timeout)  # never shortened
+                self.catalog.put_sandbox(row)
+                self.recorder.record(row.doc.get("session_id", sandbox_id), "sandbox.connect", {"timeout": timeout})
+                return row, False
+            return await self._resume(row, timeout), True
 
     async def kill(self, sandbox_id: str) -> None:
         row = self.get(sandbox_id)
+        if row.state == "paused":
+            await self.kill_paused(row)
+            return
         await self._kill(row)
 
-    async def _kill(self, row: SandboxRow) -> None:
+    async def _kill(self, row: SandboxRow, reason: str = "kill") -> None:
         self._killing.add(row.sandbox_id)
         self.live.pop(row.sandbox_id, None)
         row.state = "killed"
         self.catalog.put_sandbox(row)
+        self.recorder.killed(row.doc.get("session_id", row.sandbox_id), reason)
+        if self.gateway is not None and row.doc.get("gatewayToken"):
+            self.gateway.end_run(row.doc["gatewayToken"])
         for listener in self.kill_listeners:
             listener(row.sandbox_id)
         # Teardown takes a second or two; the sandbox is already unreachable, so do it in the background.
@@ -318,27 +386,43 @@ class SandboxManager:
         self._reaping.add(task)
         task.add_done_callback(self._reaping.discard)
 
-    async def _reap(self, row: SandboxRow, catalog_id: str | None = None) -> None:
-        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
-        try:
-            await asyncio.to_thread(self.runtime.destroy, handle)
-        except Exception as exc:
-            log.warning("destroy of %s failed: %s", row.runtime_name, exc)
-        self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        network.release_slot(row.slot)
-        self._slots.discard(row.slot)
+    def _release_slot(self, slot: int) -> None:
+        network.release_slot(slot)
+        self._slots.discard(slot)
+
+    async def _reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
+        """Destroy the runtime side of a sandbox; drop its catalog row unless keep_row (paused)."""
+        if row.runtime_name:
+            handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+            try:
+                await asyncio.to_thread(self.runtime.destroy, handle)
+            except Exception as exc:
+                log.warning("destroy of %s failed: %s", row.runtime_name, exc)
+        if not keep_row:
+            self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
+        if row.slot >= 0:
+            self._release_slot(row.slot)
         self._killing.discard(row.sandbox_id)
         self.metrics.pop(row.sandbox_id, None)
 
     async def _expire(self, row: SandboxRow) -> None:
+        if row.doc.get("autoPause"):
+            log.info("sandbox %s reached its timeout; pausing it (autoPause)", row.sandbox_id)
+            try:
+                await self.pause(row.sandbox_id)
+                return
+            except Exception as exc:  # never lose it silently: a failed pause leaves it running
+                log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
+                row.end_at = time.time() + 60
+                return
         log.info("sandbox %s reached its timeout", row.sandbox_id)
-        await self._kill(row)
+        await self._kill(row, "timeout")
 
     async def _expire_loop(self) -> None:
         while True:
             now = time.time()
             for row in list(self.live.values()):
-                if row.end_at <= now and row.sandbox_id not in self._killing:
+                if row.end_at <= now and row.sandbox_id not in self._killing and row.sandbox_id not in self._pausing:
                     try:
                         await self._expire(row)
                     except Exception as exc:

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from keepstate.errors import KeepStateError, Unavailable
 from .definition import AGENT_REQUIREMENTS, REPO_ROOT, Defaults, Definition, definition_digest, load
 
 Progress = Callable[[str], None]
+
+HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 def stderr_progress(msg: str) -> None:
@@ -109,6 +112,24 @@ def _pip_target(reqs: list[str], target: Path, what: str) -> None:
     _sh(cmd, what)
 
 
+def _npm_install(rootfs: Path, packages: list[str]) -> None:
+    """`npm install -g` in the root, trusting the host's CA bundle.
+
+    The host's bundle may hold the CA of a TLS-intercepting proxy that the root's own Debian bundle
+    lacks. Neither that bundle nor npm's download cache is left in the root.
+    """
+    scratch = rootfs / "tmp" / "keepstate-npm"
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        opts = ["--no-fund", "--no-audit", "--cache", "/tmp/keepstate-npm/cache"]
+        if HOST_CA_BUNDLE.is_file():
+            shutil.copy(HOST_CA_BUNDLE, scratch / "ca.crt")
+            opts += ["--cafile", "/tmp/keepstate-npm/ca.crt"]
+        _chroot(rootfs, shlex.join(["npm", "install", "-g", *opts, *packages]), "npm install")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def rootfs_digest(rootfs: Path) -> str:
     """BLAKE3 over the sorted tree: paths, modes, owners, link targets and file contents.
 
@@ -165,6 +186,20 @@ def latest(name: str) -> Built | None:
     if not link.is_symlink():
         return None
     return _read_built(d, os.readlink(link))
+
+
+def find_by_digest(name: str, digest: str) -> Built | None:
+    """A build of `name` whose root filesystem has this digest, if this host still has one."""
+    d = load(name)
+    for meta in sorted((templates_dir() / name).glob("*/build.json")):
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        if info.get("digest") == digest and not meta.parent.name.startswith("."):
+            return Built(name=name, definition_digest=meta.parent.name, digest=digest,
+                         rootfs=meta.parent / "rootfs", defaults=d.defaults, built_at=info["built_at"])
+    return None
 
 
 def ensure_built(name: str, progress: Progress = stderr_progress, force: bool = False) -> Built:
@@ -228,7 +263,7 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
             _pip_target(d.pip, rootfs / "usr/local/lib/python3.11/dist-packages", "template pip packages")
         if d.npm:
             say(f"npm install -g {len(d.npm)} packages")
-            _chroot(rootfs, "npm install -g --no-fund --no-audit " + " ".join(d.npm), "npm install")
+            _npm_install(rootfs, d.npm)
         else:
             step += 1
         say(f"{len(d.run)} set-up steps and {len(d.files)} files")

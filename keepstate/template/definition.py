@@ -32,6 +32,7 @@ class Service:
     command: list[str]
     port: int | None = None
     user: str = "root"
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def parse(path: Path) -> Definition:
     )
     services = [
         Service(name=str(s["name"]), command=[str(c) for c in s["command"]],
-                port=int(s["port"]) if s.get("port") is not None else None, user=str(s.get("user", "root")))
+                port=int(s["port"]) if s.get("port") is not None else None, user=str(s.get("user", "root")),
+                env={str(k): str(v) for k, v in s.get("env", {}).items()})
         for s in data.get("services", [])
     ]
     files = {str(k): str(v) for k, v in data.get("files", {}).items()}

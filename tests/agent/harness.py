@@ -11,8 +11,10 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -23,6 +25,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 20.0
+
+# Real-sandbox mode: scripts/test.sh names one shared KeepState server; the fixtures then create gVisor sandboxes
+# through it with the stock SDK instead of running the agent on this host.
+REMOTE_API = os.environ.get("KEEPSTATE_TEST_API") or ""
+REMOTE_KEY = os.environ.get("KEEPSTATE_TEST_KEY") or ""
+REMOTE = bool(REMOTE_API and REMOTE_KEY)
+HOST_ONLY_REASON = "host mode only: pokes the agent process or calls /init, which the router keeps private"
 
 
 def eventually(check: Callable[[], bool], within_s: float = 10.0, every_s: float = 0.05) -> bool:
@@ -53,6 +62,11 @@ class AgentProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("E2B_SANDBOX_URL", None)
+        # Each host agent relays sudo on its own socket, never on the sandbox path /run/keepstate/sudo.sock; in a
+        # directory other users can reach (pytest's tmp dirs are private to root).
+        self.sudo_dir = tempfile.mkdtemp(prefix="ks-sudo-")
+        os.chmod(self.sudo_dir, 0o755)
+        env["KEEPSTATE_SUDO_SOCKET"] = os.path.join(self.sudo_dir, "sudo.sock")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -119,6 +133,7 @@ class AgentProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        shutil.rmtree(self.sudo_dir, ignore_errors=True)
 
 
 class ControlPlaneStub:
@@ -168,3 +183,26 @@ class ControlPlaneStub:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Wire:
+    """Raw HTTP to one agent, directly (host mode) or through the server's data-plane router (real sandboxes)."""
+
+    def __init__(self, url: str, token: str, routing: dict[str, str]) -> None:
+        self.url = url
+        self.token = token
+        self.routing = routing  # E2b-Sandbox-Id/-Port: which sandbox the router sends the request to
+
+    def client(self, authed: bool = False, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+        import httpx
+
+        headers = dict(self.routing)
+        if authed:
+            headers["X-Access-Token"] = self.token
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+
+def wire_of(sandbox: object) -> Wire:
+    """Raw HTTP to the agent of an SDK sandbox, in either mode (the agent ignores the routing headers)."""
+    return Wire(url=sandbox.envd_api_url, token=sandbox._envd_access_token or "",  # type: ignore[attr-defined]  # noqa: SLF001
+                routing={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983"})  # type: ignore[attr-defined]

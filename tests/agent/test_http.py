@@ -8,21 +8,15 @@ import json
 import secrets
 import struct
 
-import httpx
 import pytest
+
+from tests.agent.harness import HOST_ONLY_REASON, REMOTE
 
 UNAUTHORIZED = {
     "code": 401,
     "message": "unauthorized access, please provide a valid access token or method signing if supported",
 }
-
-
-@pytest.fixture
-def secured(agent):  # type: ignore[no-untyped-def]
-    """The agent with a fresh token; yields (base url, token)."""
-    token = secrets.token_hex(8)
-    agent.init(token, {"SECURED": "1"})
-    return agent.url, token
+host_only = pytest.mark.skipif(REMOTE, reason=HOST_ONLY_REASON)
 
 
 def _frames(body: bytes) -> list[tuple[int, dict]]:
@@ -40,24 +34,25 @@ def _envelope(message: dict) -> bytes:
 
 
 def test_health_needs_no_token(secured) -> None:
-    url, _ = secured
-    r = httpx.get(url + "/health")
+    http = secured.client()
+    r = http.get("/health")
     assert r.status_code == 204
 
 
 def test_token_required_everywhere_else(secured) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     for method, path in [("GET", "/envs"), ("GET", "/metrics"), ("POST", "/process.Process/List"),
-                         ("POST", "/filesystem.Filesystem/Stat"), ("POST", "/init")]:
-        r = httpx.request(method, url + path, headers={"Content-Type": "application/json"}, content=b"{}")
+                         ("POST", "/filesystem.Filesystem/Stat")] + ([] if REMOTE else [("POST", "/init")]):
+        r = http.request(method, path, headers={"Content-Type": "application/json"}, content=b"{}")
         assert (r.status_code, r.json()) == (401, UNAUTHORIZED), path
-        r = httpx.request(method, url + path, headers={"X-Access-Token": "wrong"}, content=b"{}")
+        r = http.request(method, path, headers={"X-Access-Token": "wrong"}, content=b"{}")
         assert r.status_code == 401, path
-    r = httpx.get(url + "/envs", headers={"X-Access-Token": token})
+    r = http.get("/envs", headers={"X-Access-Token": token})
     assert r.status_code == 200
     assert r.json()["SECURED"] == "1"
 
 
+@host_only
 def test_sdk_with_wrong_token_is_refused(control_plane, agent) -> None:
     from e2b import AuthenticationException, Sandbox
 
@@ -69,98 +64,99 @@ def test_sdk_with_wrong_token_is_refused(control_plane, agent) -> None:
         sbx.files.list("/")
 
 
+@host_only
 def test_init_rekey_requires_current_token(secured, agent) -> None:
-    url, token = secured
-    r = httpx.post(url + "/init", json={"accessToken": "stolen"})
+    token, http = secured.token, secured.client()
+    r = http.post("/init", json={"accessToken": "stolen"})
     assert r.status_code == 401
     new = secrets.token_hex(8)
-    r = httpx.post(url + "/init", json={"accessToken": new, "envVars": {"A": "b"}},
+    r = http.post("/init", json={"accessToken": new, "envVars": {"A": "b"}},
                    headers={"X-Access-Token": token})
     assert r.status_code == 204
     agent.token = new
-    assert httpx.get(url + "/envs", headers={"X-Access-Token": token}).status_code == 401
-    assert httpx.get(url + "/envs", headers={"X-Access-Token": new}).json()["A"] == "b"
-    r = httpx.post(url + "/init", content=b"not json", headers={"X-Access-Token": new})
+    assert http.get("/envs", headers={"X-Access-Token": token}).status_code == 401
+    assert http.get("/envs", headers={"X-Access-Token": new}).json()["A"] == "b"
+    r = http.post("/init", content=b"not json", headers={"X-Access-Token": new})
     assert r.status_code == 400 and r.json()["code"] == 400
 
 
 def test_metrics_shape(secured) -> None:
-    url, token = secured
-    body = httpx.get(url + "/metrics", headers={"X-Access-Token": token}).json()
+    token, http = secured.token, secured.client()
+    body = http.get("/metrics", headers={"X-Access-Token": token}).json()
     for key in ("ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "disk_used", "disk_total"):
         assert isinstance(body[key], (int, float)), key
     assert body["mem_total"] > 0
 
 
 def test_files_errors_are_json(secured, home_dir) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     h = {"X-Access-Token": token}
-    r = httpx.get(url + "/files", params={"path": home_dir + "/nope"})
+    r = http.get("/files", params={"path": home_dir + "/nope"})
     assert (r.status_code, r.json()) == (401, UNAUTHORIZED)
-    r = httpx.get(url + "/files", params={"path": home_dir + "/nope"}, headers=h)
+    r = http.get("/files", params={"path": home_dir + "/nope"}, headers=h)
     assert r.status_code == 404
     assert r.json() == {"code": 404, "message": f"path '{home_dir}/nope' does not exist"}
-    r = httpx.get(url + "/files", params={"path": "x", "username": "no-such-user"}, headers=h)
+    r = http.get("/files", params={"path": "x", "username": "no-such-user"}, headers=h)
     assert r.status_code == 401 and "invalid username" in r.json()["message"]
-    r = httpx.get(url + "/files", params={"path": "a\x00b"}, headers=h)
+    r = http.get("/files", params={"path": "a\x00b"}, headers=h)
     assert r.status_code == 400 and r.json()["code"] == 400
-    r = httpx.get(url + "/files", params={"path": "/"}, headers=h)
+    r = http.get("/files", params={"path": "/"}, headers=h)
     assert r.status_code == 400 and "directory" in r.json()["message"]
-    r = httpx.post(url + "/files", content=b"x", headers={**h, "Content-Type": "application/octet-stream"})
+    r = http.post("/files", content=b"x", headers={**h, "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and "path" in r.json()["message"]
-    r = httpx.post(url + "/files", params={"path": home_dir + "/g"}, content=b"not gzip",
+    r = http.post("/files", params={"path": home_dir + "/g"}, content=b"not gzip",
                    headers={**h, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
     assert r.status_code == 400 and "gzip" in r.json()["message"]
-    r = httpx.post(url + "/files", params={"path": "/tmp"}, content=b"x",
+    r = http.post("/files", params={"path": "/tmp"}, content=b"x",
                    headers={**h, "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and "directory" in r.json()["message"]
-    r = httpx.post(url + "/files", params={"path": home_dir + "/t"}, content=b"x",
+    r = http.post("/files", params={"path": home_dir + "/t"}, content=b"x",
                    headers={**h, "Content-Type": "text/plain"})
     assert r.status_code == 400
-    r = httpx.post(url + "/files", params={"path": home_dir + "/m"}, content=b"x",
+    r = http.post("/files", params={"path": home_dir + "/m"}, content=b"x",
                    headers={**h, "Content-Type": "application/octet-stream", "X-Metadata-Bad": "caf\u00e9".encode()})
     assert r.status_code == 400 and "metadata" in r.json()["message"]
-    r = httpx.get(url + "/nowhere", headers=h)
+    r = http.get("/nowhere", headers=h)
     assert r.status_code == 404 and r.json()["code"] == 404
 
 
 def test_files_path_traversal_resolves_cleanly(secured, home_dir) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     name = home_dir.rsplit("/", 1)[1]
     sneaky = f"../../home/user/{name}/../{name}/./t.txt"
-    r = httpx.post(url + "/files", files={"file": (sneaky, b"ok")}, headers={"X-Access-Token": token})
+    r = http.post("/files", files={"file": (sneaky, b"ok")}, headers={"X-Access-Token": token})
     assert r.status_code == 200, r.text
     assert r.json() == [{"path": f"{home_dir}/t.txt", "name": "t.txt", "type": "file"}]
-    r = httpx.get(url + "/files", params={"path": f"{home_dir}/t.txt"},
+    r = http.get("/files", params={"path": f"{home_dir}/t.txt"},
                   headers={"X-Access-Token": token, "Accept-Encoding": "gzip"})
     assert r.headers.get("content-encoding") == "gzip" and r.content == b"ok"
 
 
 def test_octet_stream_gzip_upload(secured, home_dir) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     payload = b"z" * 100_000
-    r = httpx.post(url + "/files", params={"path": f"{home_dir}/z.bin"}, content=gzip.compress(payload),
+    r = http.post("/files", params={"path": f"{home_dir}/z.bin"}, content=gzip.compress(payload),
                    headers={"X-Access-Token": token, "Content-Type": "application/octet-stream",
                             "Content-Encoding": "gzip", "X-Metadata-Stage": "raw"})
     assert r.status_code == 200, r.text
     assert r.json() == [{"path": f"{home_dir}/z.bin", "name": "z.bin", "type": "file", "metadata": {"stage": "raw"}}]
-    r = httpx.get(url + "/files", params={"path": f"{home_dir}/z.bin"},
+    r = http.get("/files", params={"path": f"{home_dir}/z.bin"},
                   headers={"X-Access-Token": token, "Accept-Encoding": "identity"})
     assert r.content == payload and r.headers["content-length"] == str(len(payload))
 
 
 def test_raw_connect_stream_tags_and_keepalive(secured) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     headers = {"X-Access-Token": token, "Content-Type": "application/connect+json",
                "Connect-Protocol-Version": "1", "Keepalive-Ping-Interval": "1",
                "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
     start = {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 1.5; echo tagged"]}, "tag": "job-1", "stdin": False}
     unary = {"X-Access-Token": token, "Content-Type": "application/json"}
-    with httpx.Client(timeout=20) as client:
-        with client.stream("POST", url + "/process.Process/Start", content=_envelope(start), headers=headers) as r:
+    with secured.client() as client:
+        with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
             assert r.status_code == 200
             assert r.headers["content-type"] == "application/connect+json"
-            listed = client.post(url + "/process.Process/List", json={}, headers=unary).json()
+            listed = client.post("/process.Process/List", json={}, headers=unary).json()
             tagged = [p for p in listed["processes"] if p.get("tag") == "job-1"]
             assert len(tagged) == 1
             frames = _frames(r.read())
@@ -175,32 +171,32 @@ def test_raw_connect_stream_tags_and_keepalive(secured) -> None:
 
 
 def test_raw_connect_by_tag_and_sigterm(secured) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     unary = {"X-Access-Token": token, "Content-Type": "application/json"}
     headers = {"X-Access-Token": token, "Content-Type": "application/connect+json"}
     start = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "tag": "sleepy"}
-    with httpx.Client(timeout=20) as client:
-        with client.stream("POST", url + "/process.Process/Start", content=_envelope(start), headers=headers) as r:
+    with secured.client() as client:
+        with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
             r.iter_raw()
             sig = {"process": {"tag": "sleepy"}, "signal": "SIGNAL_SIGTERM"}
-            assert client.post(url + "/process.Process/SendSignal", json=sig, headers=unary).status_code == 200
+            assert client.post("/process.Process/SendSignal", json=sig, headers=unary).status_code == 200
             frames = _frames(r.read())
         end = frames[-2][1]["event"]["end"]
         assert end["status"] == "signal: terminated" and end["exitCode"] == -1
-        bad = client.post(url + "/process.Process/SendSignal",
+        bad = client.post("/process.Process/SendSignal",
                           json={"process": {"pid": 1}, "signal": "SIGNAL_UNSPECIFIED"}, headers=unary)
         assert bad.status_code in (404, 501)
-        missing = client.post(url + "/process.Process/SendInput",
+        missing = client.post("/process.Process/SendInput",
                               json={"process": {"tag": "never"}, "input": {"stdin": "eA=="}}, headers=unary)
         assert missing.status_code == 404 and missing.json()["code"] == "not_found"
 
 
 def test_unknown_user_and_bad_query(secured) -> None:
-    url, token = secured
+    token, http = secured.token, secured.client()
     headers = {"X-Access-Token": token, "Content-Type": "application/json",
                "Authorization": "Basic " + base64.b64encode(b"ghost:").decode()}
-    r = httpx.post(url + "/filesystem.Filesystem/Stat", json={"path": "/"}, headers=headers)
+    r = http.post("/filesystem.Filesystem/Stat", json={"path": "/"}, headers=headers)
     assert r.status_code == 401
     assert r.json() == {"code": "unauthenticated", "message": "invalid username: 'ghost'"}
-    r = httpx.get(url + "/files?path=%ff%fe", headers={"X-Access-Token": token})
+    r = http.get("/files?path=%ff%fe", headers={"X-Access-Token": token})
     assert r.status_code == 400 and r.json()["code"] == 400

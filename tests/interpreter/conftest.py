@@ -1,64 +1,97 @@
-"""Fixtures: a code-interpreter sandbox for the stock e2b-code-interpreter SDK.
+"""Fixtures: real `code-interpreter-v1` gVisor sandboxes through the stock e2b-code-interpreter SDK.
 
-Test bodies see only the SDK objects (`sandbox`, `async_sandbox`) and `sandbox_home`, so the stub
-below can be swapped for a real KeepState server: set KEEPSTATE_TEST_E2B=1 with E2B_API_URL,
-E2B_SANDBOX_URL and E2B_API_KEY pointing at it (sandbox_home is then /home/user).
+The server is the run's shared one (KEEPSTATE_TEST_API/KEEPSTATE_TEST_KEY, set by scripts/test.sh)
+or one these fixtures start and share between xdist workers (tests/interpreter/server.py).
+
+`sandbox` and `async_sandbox` are shared by the tests of a module: tests must not kill them and
+must not depend on state other tests leave (fresh kernels come from `create_code_context`).
+`new_sandbox` makes sandboxes a test owns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
+import httpx
 import pytest
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
-from tests.interpreter import kernel_env
-from tests.interpreter.stub import Stub
+from tests.interpreter import server
 
-REAL_SERVER = os.environ.get("KEEPSTATE_TEST_E2B") == "1"
+SANDBOX_TIMEOUT = 600  # seconds: the server kills the sandbox after this even if a test leaks it
+HOME = "/home/user"
+BRIDGE_START_TIMEOUT = 120.0
+
+
+def wait_bridge(sbx: Sandbox | AsyncSandbox) -> None:
+    """Until the sandbox's bridge answers on port 49999.
+
+    A create returns once the sandbox's agent answers; a sandbox started for the create (the warm
+    pool was empty) may not have its bridge listening yet, and the router then answers 502 "port is
+    not open". Remove this when the server waits for template services before handing a sandbox out.
+    """
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    deadline = time.monotonic() + BRIDGE_START_TIMEOUT
+    while True:
+        try:
+            if httpx.get(f"{sbx._jupyter_url}/health", headers=headers, timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the bridge of sandbox {sbx.sandbox_id} did not start")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stub | None]:
-    if REAL_SERVER:
-        yield None
-        return
-    venv = kernel_env.ensure()
-    s = Stub(venv, tmp_path_factory.mktemp("sandboxes"))
-    s.start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("E2B_API_KEY", "e2b_test_key")
-        mp.setenv("E2B_API_URL", s.url)
-        mp.setenv("E2B_SANDBOX_URL", s.url)
-        mp.delenv("E2B_DEBUG", raising=False)
-        yield s
-    s.stop()
+def keepstate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[server.Server]:
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist every worker has its own basetemp inside one shared directory.
+    shared_dir = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "interpreter-server"
+    with server.shared(shared_dir) as srv:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("E2B_API_URL", srv.url)
+            mp.setenv("E2B_SANDBOX_URL", srv.url)
+            mp.setenv("E2B_API_KEY", srv.key)
+            mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+            mp.delenv("E2B_DEBUG", raising=False)
+            yield srv
 
 
-@pytest.fixture
-def sandbox(stub: Stub | None) -> Iterator[Sandbox]:
-    sbx = Sandbox.create()
+@pytest.fixture(scope="module")
+def sandbox(keepstate: server.Server) -> Iterator[Sandbox]:
+    sbx = Sandbox.create(timeout=SANDBOX_TIMEOUT)
     try:
+        wait_bridge(sbx)
         yield sbx
     finally:
         sbx.kill()
 
 
-@pytest.fixture
-async def async_sandbox(stub: Stub | None) -> AsyncIterator[AsyncSandbox]:
-    sbx = await AsyncSandbox.create()
+@pytest.fixture(scope="module")
+async def async_sandbox(keepstate: server.Server) -> AsyncIterator[AsyncSandbox]:
+    sbx = await AsyncSandbox.create(timeout=SANDBOX_TIMEOUT)
     try:
+        await asyncio.to_thread(wait_bridge, sbx)
         yield sbx
     finally:
         await sbx.kill()
 
 
 @pytest.fixture
-def sandbox_home(stub: Stub | None, sandbox: Sandbox) -> str:
-    """The default working directory of `sandbox`'s contexts."""
-    return "/home/user" if stub is None else stub.home(sandbox.sandbox_id)
+def new_sandbox(keepstate: server.Server) -> Iterator[Callable[..., Sandbox]]:
+    made: list[Sandbox] = []
 
+    def make(**kw: object) -> Sandbox:
+        kw.setdefault("timeout", SANDBOX_TIMEOUT)
+        sbx = Sandbox.create(**kw)  # type: ignore[arg-type]
+        made.append(sbx)
+        wait_bridge(sbx)
+        return sbx
 
-def js_available(stub: Stub | None) -> bool:
-    return stub is None or (stub.venv / "share" / "jupyter" / "kernels" / "jslab").exists()
+    yield make
+    for sbx in made:
+        sbx.kill()

@@ -1,8 +1,9 @@
-"""A host-side stand-in for the code-interpreter template's Python and Node packages.
+"""A host virtualenv with the code-interpreter template's Python and Node packages.
 
-Builds (once, shared by xdist workers through a file lock) a virtualenv from Debian's python3 with
-exactly the template's `pip` pins, the template's `npm` packages in the same prefix, and the kernel
-specs the template's `run` steps install — the same steps, with venv paths for /usr/local.
+The baseline of benchmarks/interpreter.py: a local Jupyter kernel outside any sandbox, with the
+same pins. Built (once, under a file lock) from Debian's python3 with exactly the template's `pip`
+pins, the template's `npm` packages in the same prefix, and the kernel specs the template's `run`
+steps install — the same steps, with venv paths for /usr/local.
 """
 
 from __future__ import annotations

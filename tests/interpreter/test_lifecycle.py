@@ -1,8 +1,10 @@
-"""Interrupts, keepalives, a sandbox killed mid-execution, and the async SDK."""
+"""Interrupts, keepalives, reconnecting, a sandbox killed mid-execution, and the async SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 from e2b import TimeoutException
@@ -24,7 +26,26 @@ def test_keepalive_lines_are_ignored_by_sdk(sandbox: Sandbox) -> None:
     assert execution.text == "awake"
 
 
-def test_sandbox_killed_during_execution(sandbox: Sandbox) -> None:
+def test_reconnect_sees_earlier_state(sandbox: Sandbox) -> None:
+    sandbox.run_code("reconnect_marker = 'kept'")
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert again.run_code("reconnect_marker").text == "kept"
+    ctx = again.create_code_context(language="bash")
+    try:
+        # Contexts made through one handle are visible through the other.
+        assert ctx.id in [c.id for c in sandbox.list_code_contexts()]
+    finally:
+        sandbox.remove_code_context(ctx)
+
+
+async def test_async_reconnect(async_sandbox: AsyncSandbox) -> None:
+    await async_sandbox.run_code("async_marker = 7")
+    again = await AsyncSandbox.connect(async_sandbox.sandbox_id)
+    assert (await again.run_code("async_marker * 6")).text == "42"
+
+
+def test_sandbox_killed_during_execution(new_sandbox: Callable[..., Sandbox]) -> None:
+    sandbox = new_sandbox()
     outcome: list[BaseException] = []
 
     started = threading.Event()
@@ -61,3 +82,27 @@ async def test_async_sdk(async_sandbox: AsyncSandbox) -> None:
     await async_sandbox.remove_code_context(ctx)
     execution = await async_sandbox.run_code("import os; os.environ['K']", envs={"K": "v"})
     assert execution.text == "v"
+
+
+async def test_async_errors_and_interrupt(async_sandbox: AsyncSandbox) -> None:
+    errors = []
+    execution = await async_sandbox.run_code("1 / 0", on_error=errors.append)
+    assert execution.error is not None and execution.error.name == "ZeroDivisionError"
+    assert errors == [execution.error]
+    await async_sandbox.run_code("import time; finished = False")
+    with pytest.raises(TimeoutException):
+        await async_sandbox.run_code("time.sleep(60); finished = True", timeout=2)
+    assert (await async_sandbox.run_code("finished", timeout=20)).text == "False"
+
+
+async def test_async_concurrent_contexts(async_sandbox: AsyncSandbox) -> None:
+    # Two kernels run at the same time: each sleeps 1 s, and each sees only its own variable.
+    a, b = await asyncio.gather(async_sandbox.create_code_context(), async_sandbox.create_code_context())
+    try:
+        await asyncio.gather(async_sandbox.run_code("who = 'a'", context=a),
+                             async_sandbox.run_code("who = 'b'", context=b))
+        ra, rb = await asyncio.gather(async_sandbox.run_code("import time; time.sleep(1); who", context=a),
+                                      async_sandbox.run_code("import time; time.sleep(1); who", context=b))
+        assert (ra.text, rb.text) == ("a", "b")
+    finally:
+        await asyncio.gather(async_sandbox.remove_code_context(a), async_sandbox.remove_code_context(b))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 
 from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import (
@@ -105,3 +106,28 @@ def test_box_and_whisker_chart(sandbox: Sandbox) -> None:
     first, second = chart.elements
     assert first.label == "a" and first.min == 1 and first.median == 3 and first.max == 5
     assert second.label == "b" and second.max == 12 and second.outliers == [40]
+
+
+
+def test_default_context_imports_data_stack_in_background(new_sandbox: Callable[..., Sandbox]) -> None:
+    sbx = new_sandbox()
+    waited = sbx.run_code(
+        "import sys, time\n"
+        "for _ in range(600):\n"
+        "    if all(m in sys.modules for m in STACK): break\n"
+        "    time.sleep(0.1)\n"
+        "sorted(m for m in STACK if m in sys.modules)".replace("STACK", "('numpy', 'pandas', 'matplotlib')"))
+    assert waited.text == "['matplotlib', 'numpy', 'pandas']"
+    # Contexts made on request start lean: nothing imported that the user did not ask for.
+    ctx = sbx.create_code_context()
+    assert sbx.run_code("import sys; 'pandas' in sys.modules", context=ctx).text == "False"
+
+
+def test_import_while_warming_up(new_sandbox: Callable[..., Sandbox]) -> None:
+    sbx = new_sandbox()
+    # At once, while the start-up imports may still be under way on their thread.
+    execution = sbx.run_code("import pandas as pd, matplotlib.pyplot as plt\n"
+                             "plt.bar(['a'], [1])\nplt.show()\npd.DataFrame({'a': [1]})")
+    assert execution.error is None, execution.error
+    assert [r.chart.type for r in execution.results if r.chart] == [ChartType.BAR]
+    assert execution.results[-1].data == {"a": [1]}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from e2b_code_interpreter import Sandbox
 
+from tests.interpreter.conftest import HOME
+
 
 def test_result_and_state(sandbox: Sandbox) -> None:
     sandbox.run_code("x = 41")
@@ -42,13 +44,18 @@ def test_error(sandbox: Sandbox) -> None:
 
 
 def test_execution_count_counts_user_executions_only(sandbox: Sandbox) -> None:
-    # env_vars make the bridge run silent set-up code around the user's: that must not count.
-    sandbox.run_code("1", envs={"A": "1"})
-    assert sandbox.run_code("2").execution_count == 2
+    ctx = sandbox.create_code_context()
+    try:
+        # env_vars make the bridge run silent set-up code around the user's: that must not count.
+        assert sandbox.run_code("1", envs={"A": "1"}, context=ctx).execution_count == 1
+        assert sandbox.run_code("2", context=ctx).execution_count == 2
+    finally:
+        sandbox.remove_code_context(ctx)
 
 
-def test_cwd(sandbox: Sandbox, sandbox_home: str) -> None:
-    assert sandbox.run_code("import os; os.getcwd()").text == sandbox_home
+def test_cwd_and_user(sandbox: Sandbox) -> None:
+    assert sandbox.run_code("import os; os.getcwd()").text == HOME
+    assert sandbox.run_code("import getpass; getpass.getuser()").text == "user"
 
 
 def test_no_result_for_statement(sandbox: Sandbox) -> None:

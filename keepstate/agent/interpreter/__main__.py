@@ -10,6 +10,7 @@ import pwd
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
@@ -40,6 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Set by the template for the bridge itself (it imports keepstate from the bind mount); user code
+# must not see the bridge's package on its path.
+BRIDGE_ONLY_ENV = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
+
+
+def kernel_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in BRIDGE_ONLY_ENV}
+
+
 def installed_kernels() -> dict[str, str]:
     """language → kernel name, for the kernel specs installed here."""
     from jupyter_client.kernelspec import KernelSpecManager
@@ -66,7 +76,7 @@ async def serve(args: argparse.Namespace) -> None:
     if user is not None and user == pwd.getpwuid(os.getuid()).pw_name:
         user = None
     spec = LaunchSpec(runtime_dir=runtime_dir(args.runtime_dir, user), cwd=args.workdir, user=user,
-                      env=dict(os.environ))
+                      env=kernel_env(os.environ))
     available = installed_kernels()
     log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in sorted(available.items())) or "none")
     defaults = [lang.strip() for lang in args.default_languages.split(",") if lang.strip()]

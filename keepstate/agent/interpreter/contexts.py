@@ -123,9 +123,10 @@ class Contexts:
                 f"Language '{language}' is not available in this sandbox (no kernel installed for it)")
         return self._available[language]
 
-    async def create(self, language: str | None = None, cwd: str | None = None) -> Context:
+    async def create(self, language: str | None = None, cwd: str | None = None, *,
+                     default: bool = False) -> Context:
         lang = languages.normalize(language)
-        kernel = Kernel(self._kernel_for(lang), self._with_cwd(cwd))
+        kernel = Kernel(self._kernel_for(lang), self._with_cwd(cwd), languages.kernel_arguments(lang, default))
         await kernel.start()
         ctx = Context(id=str(uuid.uuid4()), language=lang, cwd=cwd or self._spec.cwd, kernel=kernel)
         self._contexts[ctx.id] = ctx
@@ -145,14 +146,15 @@ class Contexts:
                                                  or task.result().id not in self._contexts):
             task = None  # failed or removed: make a new one
         if task is None:
-            task = asyncio.create_task(self.create(lang), name=f"default-{lang}")
+            task = asyncio.create_task(self.create(lang, default=True), name=f"default-{lang}")
             self._defaults[lang] = task
         return await asyncio.shield(task)
 
     def start_defaults(self, langs: list[str]) -> None:
         for lang in langs:
             if lang in self._available:
-                self._defaults[lang] = asyncio.create_task(self.create(lang), name=f"default-{lang}")
+                self._defaults[lang] = asyncio.create_task(self.create(lang, default=True),
+                                                          name=f"default-{lang}")
 
     def get(self, context_id: str) -> Context:
         try:

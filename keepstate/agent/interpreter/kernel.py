@@ -64,9 +64,10 @@ class _Manager(AsyncKernelManager):  # type: ignore[misc]
 
 
 class Kernel:
-    def __init__(self, kernel_name: str, spec: LaunchSpec) -> None:
+    def __init__(self, kernel_name: str, spec: LaunchSpec, arguments: list[str] | None = None) -> None:
         self.kernel_name = kernel_name
         self._spec = spec
+        self._arguments = list(arguments or [])
         self._km: _Manager | None = None
         self._kc: Any = None
         self._readers: list[asyncio.Task[None]] = []
@@ -84,7 +85,8 @@ class Kernel:
             self._km.kernel_uid = popen["user"]
         try:
             try:
-                await self._km.start_kernel(cwd=self._spec.cwd, env=env, **popen)
+                await self._km.start_kernel(cwd=self._spec.cwd, env=env, extra_arguments=self._arguments,
+                                            **popen)
             except Exception as exc:
                 raise KernelError(f"cannot start kernel '{self.kernel_name}': {exc}") from exc
             self._kc = self._km.client()

@@ -6,6 +6,7 @@ import json
 import re
 import shlex
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 # The kernel spec each language runs on (installed by templates/code-interpreter-v1.toml).
 KERNEL_NAMES: dict[str, str] = {
@@ -14,6 +15,12 @@ KERNEL_NAMES: dict[str, str] = {
     "typescript": "tslab",
     "bash": "bash",
 }
+
+# IPython start-up files, run from the bridge's own (bind-mounted) package rather than copied into
+# the template, so that they change without a template rebuild.
+_STARTUP = Path(__file__).resolve().parent / "startup"
+PYTHON_STARTUP = _STARTUP / "00_e2b.py"  # E2B's extra MIME types; every Python context
+PYTHON_WARM = _STARTUP / "warm.py"  # background imports; default contexts only
 
 _ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash", "py": "python", "python3": "python"}
 
@@ -41,6 +48,18 @@ def kernel_name(language: str) -> str:
     except KeyError:
         known = ", ".join(sorted(KERNEL_NAMES))
         raise LanguageError(f"Unsupported language '{language}'; supported: {known}") from None
+
+
+def kernel_arguments(language: str, default: bool = False) -> list[str]:
+    """Arguments added to the kernel spec's command line for a context of `language`.
+
+    `default`: for the language's default context, which most executions use and which starts
+    with the sandbox, so warming it up costs nobody a wait.
+    """
+    if language != "python":
+        return []
+    files = [PYTHON_STARTUP, PYTHON_WARM] if default else [PYTHON_STARTUP]
+    return [f"--IPKernelApp.exec_files={f}" for f in files]
 
 
 def check_env_names(names: Sequence[str]) -> None:

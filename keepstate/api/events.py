@@ -1,0 +1,70 @@
+"""REST handlers for sessions' causal history and lineage (docs/design/causal-history.md).
+
+The server sets the EventLog and the Lineage on the app, preferably as `app[EVENTS]` and `app[LINEAGE]` (aiohttp
+warns about plain string keys); plain `app["events"]` / `app["lineage"]` are accepted too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from keepstate.errors import BadRequest, NotFound
+from keepstate.session import EventLog, Lineage
+
+routes = web.RouteTableDef()
+MAX_LIMIT = 10_000
+EVENTS: web.AppKey[EventLog] = web.AppKey("events", EventLog)
+LINEAGE: web.AppKey[Lineage] = web.AppKey("lineage", Lineage)
+
+
+def _event_log(request: web.Request) -> EventLog:
+    found = request.app.get(EVENTS)
+    return found if found is not None else request.app["events"]  # type: ignore[no-any-return]
+
+
+def _lineage(request: web.Request) -> Lineage:
+    found = request.app.get(LINEAGE)
+    return found if found is not None else request.app["lineage"]  # type: ignore[no-any-return]
+
+
+def _session_id(request: web.Request) -> str:
+    return request.match_info["sandbox_id"].split("-")[0]  # old SDKs send "<id>-<clientID>"
+
+
+def _int(request: web.Request, name: str, default: int | None, low: int) -> int | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter {name} must be an integer, got {raw!r}") from None
+    if value < low:
+        raise BadRequest(f"query parameter {name} must be at least {low}")
+    return value
+
+
+@routes.get("/sandboxes/{sandbox_id}/events")
+async def list_events(request: web.Request) -> web.Response:
+    log = _event_log(request)
+    session_id = _session_id(request)
+    after = _int(request, "after", 0, 0) or 0
+    limit = min(_int(request, "limit", MAX_LIMIT, 1) or MAX_LIMIT, MAX_LIMIT)
+    verify = request.query.get("verify", "").lower()
+    if verify not in ("", "true", "false", "1", "0"):
+        raise BadRequest("query parameter verify must be true or false")
+    events = await asyncio.to_thread(log.read, session_id, after, limit)
+    if not events and not await asyncio.to_thread(log.exists, session_id):
+        raise NotFound(f"no events for sandbox {session_id}")
+    body: dict[str, object] = {"sessionId": session_id, "events": [e.to_dict() for e in events]}
+    if verify in ("true", "1"):
+        body["verified"] = (await asyncio.to_thread(log.verify, session_id)).to_dict()
+    return web.json_response(body)
+
+
+@routes.get("/sandboxes/{sandbox_id}/lineage")
+async def lineage(request: web.Request) -> web.Response:
+    tree = await asyncio.to_thread(_lineage(request).tree, _session_id(request))
+    return web.json_response(tree)

@@ -1,0 +1,12 @@
+"""Typed keys for what the application object carries (aiohttp AppKeys)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from keepstate.db.catalog import Catalog
+from keepstate.sandbox.manager import SandboxManager
+
+MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
+CATALOG: web.AppKey[Catalog] = web.AppKey("catalog", Catalog)
+ENVD_VERSION: web.AppKey[str] = web.AppKey("envd_version", str)

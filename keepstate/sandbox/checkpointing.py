@@ -1,0 +1,246 @@
+"""Pause, resume, snapshot and fork: the durable half of the sandbox lifecycle.
+
+    running --pause--> paused --connect--> running (same ID, same token)
+    running --snapshot--> running (+ a snapshot usable as templateID)
+    running --fork(n)--> running (+ n new sandboxes, new IDs, tokens, addresses, sessions)
+    any checkpoint: quiesce connections -> runsc checkpoint (sandbox keeps running) -> ingest -> publish
+
+A pause destroys the running sandbox only after its checkpoint is published in the store, so a
+crash at any point leaves either the running sandbox (catalog: running) or the checkpoint
+(catalog: paused), never neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from keepstate.db.catalog import SandboxRow
+from keepstate.errors import BadRequest, Conflict, NotFound, Unsupported
+from keepstate.runtime.base import Limits
+from keepstate.store import Manifest
+from keepstate.store.ids import new_checkpoint_id
+
+from .durable import Durability
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("keepstate.sandbox")
+MAX_FORKS = 20
+
+
+class Checkpointing:
+    """Mixed into SandboxManager; uses its catalog, runtime, router and recorder."""
+
+    durable: Durability
+
+    async def _checkpoint(self: SandboxManager, row: SandboxRow, kind: str) -> Manifest:
+        session = row.doc.get("session_id", row.sandbox_id)
+        parent_id = row.doc.get("checkpoint_id")
+        checkpoint_id = new_checkpoint_id()
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
+        if self.router is not None:
+            await self.router.quiesce(row.sandbox_id, hold=kind != "pause")
+        try:
+            image, paused_for = await asyncio.to_thread(
+                self.durable.capture, row, leave_running=True, kind=kind, parent_id=parent_id, event=ref)
+        except Exception as exc:
+            self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+            raise
+        finally:
+            if self.router is not None and kind != "pause":
+                self.router.release(row.sandbox_id)
+        started = time.monotonic()
+        try:
+            manifest = await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
+                                               event=ref, checkpoint_id=checkpoint_id)
+        except Exception as exc:
+            self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+            raise
+        self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
+        log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
+                 paused_for * 1000, (time.monotonic() - started) * 1000)
+        if self.gateway is not None:
+            self.gateway.mark_checkpoint(session, checkpoint_id)
+        return manifest
+
+    async def pause(self: SandboxManager, sandbox_id: str, memory: bool = True) -> str:
+        if not memory:
+            raise Unsupported("a filesystem-only pause (memory: false) is not supported by the gVisor runtime: "
+                              "its root filesystem lives in the sandbox's memory; pause with memory instead")
+        row = self.get(sandbox_id)
+        if row.state == "paused":
+            raise Conflict(f"Error pausing sandbox - sandbox '{sandbox_id}' is already paused")
+        async with self._lock(sandbox_id):
+            self._pausing.add(sandbox_id)
+            try:
+                manifest = await self._checkpoint(row, "pause")
+            except BaseException:
+                self._pausing.discard(sandbox_id)
+                raise
+            old = SandboxRow(**{**row.__dict__})
+            row.state = "paused"
+            row.doc = {**row.doc, "checkpoint_id": manifest.checkpoint_id,
+                       "remaining": max(0.0, row.end_at - time.time())}
+            row.runtime_name, row.address = "", ""
+            self.catalog.put_sandbox(row)
+            self.live.pop(sandbox_id, None)
+            self._pausing.discard(sandbox_id)
+            self.recorder.paused(row.doc.get("session_id", sandbox_id), manifest.checkpoint_id, True)
+            row.slot = -1
+            self.catalog.put_sandbox(row)
+            # The runtime side goes away in the background; the checkpoint is already safe in the store.
+            task = asyncio.get_running_loop().create_task(self._reap(old, keep_row=True))
+            self._reaping.add(task)
+            task.add_done_callback(self._reaping.discard)
+            return manifest.checkpoint_id
+
+    async def _resume(self: SandboxManager, row: SandboxRow, timeout: int) -> SandboxRow:
+        checkpoint_id = row.doc["checkpoint_id"]
+        manifest = await asyncio.to_thread(self.durable.manifest, checkpoint_id)
+        built = await asyncio.to_thread(self.durable.template_for, manifest)
+        image = await asyncio.to_thread(self.durable.materialise, manifest)
+        slot = self._alloc_slot()
+        try:
+            handle = await asyncio.to_thread(self.durable.restore, image, built,
+                                             Limits(cpu=row.cpu, memory_mb=row.memory_mb), slot)
+        except BaseException:
+            self._release_slot(slot)
+            raise
+        row.runtime_name, row.slot, row.address = handle.name, slot, handle.endpoint.address
+        row.template_digest = built.digest
+        row.state = "running"
+        row.end_at = time.time() + timeout
+        self.catalog.put_sandbox(row)
+        try:
+            await self._wait_agent(row)
+        except BaseException:
+            await self._reap(row, keep_row=True)
+            row.state, row.runtime_name, row.slot = "paused", "", -1
+            self.catalog.put_sandbox(row)
+            raise
+        self.live[row.sandbox_id] = row
+        self.recorder.resumed(row.doc.get("session_id", row.sandbox_id), checkpoint_id, self.host_name,
+                              agent_url=f"http://{row.address}:49983", token=row.access_token)
+        return row
+
+    def _row_from_store(self: SandboxManager, sandbox_id: str) -> SandboxRow | None:
+        """A sandbox this server never saw, whose pause checkpoint is in the shared store."""
+        manifest = self.durable.latest_for_session(sandbox_id)
+        if manifest is None:
+            return None
+        import json
+
+        info: dict[str, Any] = json.loads(manifest.meta.labels["sandbox"])
+        doc = dict(info["doc"])
+        doc["checkpoint_id"] = manifest.checkpoint_id
+        row = SandboxRow(sandbox_id=sandbox_id, state="paused", template_id=info["template_id"],
+                         template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
+                         access_token=info["access_token"], started_at=float(info["started_at"]),
+                         end_at=time.time(), cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]),
+                         api_key_id=info.get("api_key_id"), doc=doc)
+        self.catalog.put_sandbox(row)
+        if self.recorder.lineage.session(doc.get("session_id", sandbox_id)) is None:
+            self.recorder.lineage.record_session(doc.get("session_id", sandbox_id), row.template_id)
+        return row
+
+    async def snapshot(self: SandboxManager, sandbox_id: str, name: str | None) -> dict[str, Any]:
+        row = self.get(sandbox_id)
+        if row.state != "running":
+            raise Conflict(f"sandbox '{sandbox_id}' is {row.state}; snapshots are taken of running sandboxes")
+        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
+            raise BadRequest("`name` must be a non-empty string of at most 128 characters")
+        async with self._lock(sandbox_id):
+            manifest = await self._checkpoint(row, "snapshot")
+        snapshot_id = f"snapshot-{manifest.checkpoint_id.lower()}"
+        names = [name.strip()] if name else [snapshot_id]
+        self.catalog.put_snapshot(snapshot_id, names, manifest.checkpoint_id, sandbox_id, row.template_id)
+        return {"snapshotID": snapshot_id, "names": names}
+
+    def find_snapshot(self: SandboxManager, ref: str) -> dict[str, Any] | None:
+        snap = self.catalog.get_snapshot(ref)
+        if snap is not None:
+            return snap
+        for s in self.catalog.snapshots():
+            if ref in s["names"] or ref.split(":")[0] in s["names"]:
+                return s
+        return None
+
+    async def fork(self: SandboxManager, sandbox_id: str, count: int, timeout: int) -> list[dict[str, Any]]:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
+        row = self.get(sandbox_id)
+        if row.state != "running":
+            raise Conflict(f"sandbox '{sandbox_id}' is {row.state}; only running sandboxes can be forked")
+        async with self._lock(sandbox_id):
+            manifest = await self._checkpoint(row, "fork")
+        return await self.spawn_from(manifest, row, count, timeout)
+
+    async def spawn_from(self: SandboxManager, manifest: Manifest, parent: SandboxRow, count: int,
+                         timeout: int, api_key_id: str | None = None) -> list[dict[str, Any]]:
+        """Start `count` new sandboxes from one checkpoint; each result is a row or an error."""
+        built = await asyncio.to_thread(self.durable.template_for, manifest)
+        image = await asyncio.to_thread(self.durable.materialise, manifest)
+        try:
+            results = await asyncio.gather(*(self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+                                             for _ in range(count)), return_exceptions=True)
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+        return [{"row": r} if isinstance(r, SandboxRow) else {"error": r} for r in results]
+
+    async def _spawn_one(self: SandboxManager, manifest: Manifest, parent: SandboxRow, built: Any, image: Path,
+                         timeout: int, api_key_id: str | None) -> SandboxRow:
+        slot = self._alloc_slot()
+        try:
+            handle = await asyncio.to_thread(self.durable.restore, image, built,
+                                             Limits(cpu=parent.cpu, memory_mb=parent.memory_mb), slot, True)
+        except BaseException:
+            self._release_slot(slot)
+            raise
+        now = time.time()
+        from .manager import new_sandbox_id
+
+        child_id = new_sandbox_id()
+        row = SandboxRow(sandbox_id=child_id, state="running", template_id=parent.template_id,
+                         template_digest=built.digest, runtime_name=handle.name, slot=slot,
+                         address=handle.endpoint.address, access_token=secrets.token_hex(16), started_at=now,
+                         end_at=now + timeout, cpu=parent.cpu, memory_mb=parent.memory_mb,
+                         api_key_id=api_key_id or parent.api_key_id,
+                         doc={**parent.doc, "session_id": child_id, "checkpoint_id": manifest.checkpoint_id,
+                              "forked_from": parent.sandbox_id})
+        self.catalog.put_sandbox(row)
+        try:
+            await self._wait_agent(row)
+            await self._init_agent(row, self._sandbox_env(row), row.doc.get("user", "user"),
+                                   row.doc.get("workdir", "/home/user"), previous_token=parent.access_token,
+                                   fork=True)
+        except BaseException:
+            await self._reap(row)
+            raise
+        self.live[child_id] = row
+        parent_session = parent.doc.get("session_id", parent.sandbox_id)
+        self.recorder.forked(parent_session, child_id, manifest.checkpoint_id,
+                             agent_url=f"http://{row.address}:49983", token=row.access_token)
+        return row
+
+    async def kill_paused(self: SandboxManager, row: SandboxRow) -> None:
+        self.catalog.delete_sandbox(row.sandbox_id)
+        self.recorder.killed(row.doc.get("session_id", row.sandbox_id), "kill")
+
+    def _lock(self: SandboxManager, sandbox_id: str) -> asyncio.Lock:
+        lock = self._locks.get(sandbox_id)
+        if lock is None:
+            lock = self._locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+
+def check_not_found(row: SandboxRow | None, sandbox_id: str) -> SandboxRow:
+    if row is None:
+        raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+    return row

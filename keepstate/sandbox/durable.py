@@ -1,0 +1,169 @@
+"""Checkpoints of live sandboxes: capture with runsc, ingest into the store, materialise and restore.
+
+The sandbox is paused only for `runsc checkpoint` itself; ingest (chunk, hash, compress,
+dedupe, upload) runs after the sandbox runs again. A restore materialises the checkpoint
+with every chunk verified, refuses an image this host cannot run (other runsc release,
+other template build, missing CPU features), then `runsc restore`s it.
+
+What a resume needs when the catalog is gone (another host, lost data directory) travels
+in the manifest's labels: the sandbox's settings, under the label "sandbox" as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keepstate.db.catalog import SandboxRow
+from keepstate.errors import KeepStateError, NotFound, Refused
+from keepstate.runtime.base import Handle, Limits, SandboxSpec, TemplateRoot
+from keepstate.runtime.gvisor import GVisorRuntime, host_cpu_flags, runsc_release
+from keepstate.store import (
+    CheckpointMeta,
+    CorruptCheckpoint,
+    EventRef,
+    HostFacts,
+    ImageFile,
+    IncompatibleCheckpoint,
+    Manifest,
+    Repository,
+    StoreError,
+    backend_from_url,
+    restore_problems,
+)
+from keepstate.template import builder
+
+# CPU features a memory image may depend on: instruction-set extensions user code picks at start-up.
+_ISA_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "avx512f", "avx512bw", "avx512vl", "fma", "bmi1", "bmi2",
+              "aes", "sha_ni", "vaes", "vpclmulqdq", "pclmulqdq", "popcnt", "adx", "f16c", "movbe")
+
+
+class CorruptCheckpointError(KeepStateError):
+    status = 500
+
+
+@dataclass
+class Captured:
+    manifest: Manifest
+    pause_seconds: float
+    ingest_seconds: float
+
+
+def _kind(name: str) -> str:
+    # The memory file gets fixed page-aligned blocks (in-place page overwrites dedupe best).
+    return "memory" if name.startswith("pages") and name != "pages_meta.img" else "file"
+
+
+class Durability:
+    def __init__(self, home: Path, runtime: GVisorRuntime, store_url: str | None = None) -> None:
+        self.home = home
+        self.runtime = runtime
+        self.store_url = store_url or f"file://{home / 'store'}"
+        self.repo = Repository.open(backend_from_url(self.store_url), cache_dir=home / "cache" / "store")
+        self.images = home / "images"
+        self.images.mkdir(parents=True, exist_ok=True)
+        self.release = runsc_release()
+        flags = set(host_cpu_flags())
+        self.cpu_features = tuple(f for f in _ISA_FLAGS if f in flags)
+
+    # -- capture -----------------------------------------------------------------------
+    def capture(self, row: SandboxRow, *, leave_running: bool, kind: str, parent_id: str | None,
+                event: EventRef | None) -> tuple[Path, float]:
+        """Run `runsc checkpoint` into a fresh image folder; returns it and the pause time."""
+        image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self.images))
+        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+        started = time.monotonic()
+        try:
+            self.runtime.checkpoint(handle, image, leave_running=leave_running)
+        except BaseException:
+            shutil.rmtree(image, ignore_errors=True)
+            raise
+        return image, time.monotonic() - started
+
+    def ingest(self, row: SandboxRow, image: Path, *, kind: str, parent_id: str | None,
+               event: EventRef | None, checkpoint_id: str | None = None) -> Manifest:
+        files = [ImageFile(p.name, p, _kind(p.name)) for p in sorted(image.iterdir()) if p.is_file()]
+        labels = {"kind": kind, "sandbox": json.dumps(sandbox_doc(row), sort_keys=True)}
+        extra: dict[str, Any] = {"checkpoint_id": checkpoint_id} if checkpoint_id else {}
+        meta = CheckpointMeta(
+            session_id=row.doc.get("session_id", row.sandbox_id), parent_id=parent_id,
+            template_id=row.template_id, template_digest=row.template_digest, runsc_release=self.release,
+            cpu_features=self.cpu_features, sizes={"memory_mb": row.memory_mb, "cpu_millis": int(row.cpu * 1000)},
+            event=event, labels=labels, **extra,
+        )
+        try:
+            return self.repo.write_checkpoint(files, meta)
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+
+    # -- restore -----------------------------------------------------------------------
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        try:
+            return self.repo.get_manifest(checkpoint_id)
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpointError(f"checkpoint {checkpoint_id} is corrupt: {exc}") from exc
+        except StoreError as exc:
+            raise NotFound(f"checkpoint {checkpoint_id} not found in the store: {exc}") from exc
+
+    def template_for(self, manifest: Manifest) -> builder.Built:
+        """The local build with the checkpoint's template digest; refuse clearly if there is none."""
+        meta = manifest.meta
+        built = builder.find_by_digest(meta.template_id, meta.template_digest)
+        host = HostFacts(runsc_release=self.release,
+                         template_digest=built.digest if built else _latest_digest(meta.template_id),
+                         cpu_features=self.cpu_features)
+        problems = restore_problems(manifest, host)
+        if problems:
+            raise Refused(f"checkpoint {manifest.checkpoint_id} cannot be restored on this host: "
+                          + "; ".join(problems))
+        assert built is not None
+        return built
+
+    def materialise(self, manifest: Manifest) -> Path:
+        """Read and verify every chunk into a new image folder; nothing partial is ever left."""
+        dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.images))
+        dest.rmdir()
+        try:
+            self.repo.read_checkpoint(manifest.checkpoint_id, dest)
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpointError(f"refusing to restore checkpoint {manifest.checkpoint_id}: {exc}") from exc
+        except IncompatibleCheckpoint as exc:
+            raise Refused(str(exc)) from exc
+        return dest
+
+    def restore(self, image: Path, built: builder.Built, limits: Limits, slot: int,
+                keep_image: bool = False) -> Handle:
+        """Start a sandbox from a materialised image; several restores may share one image (forks)."""
+        name = "ks-" + secrets.token_hex(8)
+        spec = SandboxSpec(name=name, template=TemplateRoot(built.name, built.digest, built.rootfs), limits=limits)
+        try:
+            return self.runtime.restore(spec, image, slot)
+        finally:
+            if not keep_image:
+                shutil.rmtree(image, ignore_errors=True)
+
+    def latest_for_session(self, session_id: str, kinds: tuple[str, ...] = ("pause",)) -> Manifest | None:
+        found = [m for m in self.repo.list_checkpoints()
+                 if m.meta.session_id == session_id and m.meta.labels.get("kind") in kinds]
+        return found[-1] if found else None
+
+
+def _latest_digest(template_id: str) -> str:
+    try:
+        b = builder.latest(template_id)
+    except KeepStateError:
+        return ""
+    return b.digest if b else ""
+
+
+def sandbox_doc(row: SandboxRow) -> dict[str, Any]:
+    """What another server needs to bring the sandbox back under the same ID."""
+    return {"sandbox_id": row.sandbox_id, "template_id": row.template_id, "cpu": row.cpu,
+            "memory_mb": row.memory_mb, "access_token": row.access_token, "api_key_id": row.api_key_id,
+            "started_at": row.started_at, "doc": row.doc}
