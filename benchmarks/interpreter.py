@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,10 +88,35 @@ def first_result(sbx: object, t0: float) -> float:
         time.sleep(0.02)
 
 
-def keepstate(n: int, settle: float) -> dict[str, object]:
+def pool_waiter(home: Path | None, settle: float) -> Callable[[], None]:
+    """How to wait for the warm pool: a fixed time, or (our own server) its sandbox's log line."""
+
+    def wait() -> None:
+        if home is None:
+            time.sleep(settle)
+            return
+        deadline = time.monotonic() + 300
+        seen = set(WARM_SEEN)
+        while time.monotonic() < deadline:
+            for log in home.glob("sandboxes/*/runsc.log"):
+                if log not in seen and READY_LINE in log.read_text(errors="replace"):
+                    WARM_SEEN.add(log)
+                    time.sleep(3)  # the default context's background imports
+                    return
+            time.sleep(0.2)
+        raise TimeoutError("no pooled sandbox became ready within 300 s")
+
+    return wait
+
+
+READY_LINE = "default contexts ready: "
+WARM_SEEN: set[Path] = set()
+
+
+def keepstate(n: int, wait_pool: Callable[[], None]) -> dict[str, object]:
     from e2b_code_interpreter import Sandbox
 
-    time.sleep(settle)  # the pool fills and its sandboxes start their kernels
+    wait_pool()
     t0 = time.perf_counter()
     pooled = Sandbox.create(timeout=600)
     try:
@@ -99,11 +124,12 @@ def keepstate(n: int, settle: float) -> dict[str, object]:
         # The pool now refills in the background: the next create starts a sandbox of its own.
         t0 = time.perf_counter()
         cold = Sandbox.create(timeout=600)
+        cold_create = time.perf_counter() - t0
         try:
             cold_first = first_result(cold, t0)
         finally:
             cold.kill()
-        time.sleep(settle)
+        wait_pool()  # the refill's kernels starting would compete for the CPU
         samples = []
         for _ in range(n):
             t = time.perf_counter()
@@ -115,17 +141,18 @@ def keepstate(n: int, settle: float) -> dict[str, object]:
         first_import = time.perf_counter() - t
     finally:
         pooled.kill()
-    return {"first": pooled_first, "cold": cold_first, "samples": samples, "import": first_import}
+    return {"first": pooled_first, "cold": cold_first, "cold_create": cold_create, "samples": samples,
+            "import": first_import}
 
 
 @contextmanager
-def own_server(pool_size: int) -> Iterator[str]:
+def own_server(pool_size: int) -> Iterator[tuple[str, Path]]:
     home = Path(tempfile.mkdtemp(prefix="ks-bench-interp-"))
     srv, pid = server.start(home, pool_size)
     try:
         os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.key,
                           NO_PROXY="127.0.0.1,localhost")
-        yield srv.url
+        yield srv.url, home
     finally:
         server.stop(pid)
         shutil.rmtree(home, ignore_errors=True)
@@ -139,16 +166,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=50, help="round trips per target (default 50)")
     ap.add_argument("--settle", type=float, default=20.0,
-                    help="seconds to let the warm pool fill before measuring (default 20)")
+                    help="seconds to let a running server's warm pool fill before measuring (default 20)")
     args = ap.parse_args()
 
     python = kernel_env.ensure() / "bin" / "python"
     if os.environ.get("E2B_API_URL") and os.environ.get("E2B_API_KEY"):
         target = os.environ["E2B_API_URL"]
-        ks = keepstate(args.n, args.settle)
+        ks = keepstate(args.n, pool_waiter(None, args.settle))
     else:
-        with own_server(pool_size=1) as target:
-            ks = keepstate(args.n, args.settle)
+        with own_server(pool_size=1) as (target, home):
+            ks = keepstate(args.n, pool_waiter(home, args.settle))
     local = local_kernel(python, args.n)
 
     ks_s, lo_s = ks["samples"], local["samples"]
@@ -157,6 +184,7 @@ def main() -> None:
         ("run_code('1+1') p95 ms", pct(ks_s, 95) * 1e3, pct(lo_s, 95) * 1e3),  # type: ignore[arg-type]
         ("create→first result, pooled s", ks["first"], local["first"]),
         ("create→first result, cold s", ks["cold"], local["first"]),
+        ("  of which the create call s", ks["cold_create"], local["first"]),
         ("first pandas+pyplot import s", ks["import"], local["import"]),
     ]
     load = os.getloadavg()[0]

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import fcntl
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -117,9 +118,48 @@ def _make_controlling_tty() -> None:  # runs in the child between fork and exec
 
 
 def _identity_kwargs(user: User) -> dict[str, object]:
-    if os.geteuid() != 0:
-        return {}  # unprivileged (dev runs): we can only run as ourselves
+    if os.geteuid() != 0 or user.uid == os.geteuid():
+        return {}  # unprivileged (dev runs) we can only run as ourselves; as ourselves, nothing to change
     return {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
+
+
+SETPRIV = "/usr/bin/setpriv"
+_setpriv_ok: bool | None = None
+
+
+def _has_setpriv() -> bool:
+    global _setpriv_ok
+    if _setpriv_ok is None:
+        _setpriv_ok = os.access(SETPRIV, os.X_OK)
+    return _setpriv_ok
+
+
+def _resolve_program(cmd: str, env: dict[str, str]) -> str:
+    """What exec would run, checked up front: behind setpriv a missing program would only be an exit status."""
+    if "/" in cmd:
+        if not os.path.exists(cmd):
+            raise ProcessError(f"error starting process '{cmd}': No such file or directory")
+        return cmd
+    found = shutil.which(cmd, path=env.get("PATH", ""))
+    if found is None:
+        raise ProcessError(f"error starting process '{cmd}': executable file not found in $PATH")
+    return found
+
+
+def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[list[str], dict[str, object]]:
+    """argv and Popen identity arguments to run `argv` as `user`.
+
+    Python's subprocess falls back from vfork to fork when asked to change uid/gid/groups, and a fork of the agent
+    costs 25-35 ms in gVisor, during which the event loop waits for the child's exec. `setpriv` (util-linux)
+    changes identity after a vfork instead: about 15 ms less per command, and the loop is free after ~3 ms. It sets
+    real, effective and saved ids, so no root is left to regain (test_user_has_no_root_left)."""
+    identity = _identity_kwargs(user)
+    if not identity or not _has_setpriv():
+        return argv, identity
+    groups = ",".join(str(g) for g in os.getgrouplist(user.name, user.gid))
+    program = _resolve_program(argv[0], env)
+    return [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--", program,
+            *argv[1:]], {}
 
 
 class ManagedProcess:
@@ -146,14 +186,14 @@ class ManagedProcess:
         spec = self.spec
         common: dict[str, object] = {
             "cwd": spec.cwd, "env": spec.env, "umask": 0o022, "start_new_session": True, "close_fds": True,
-            **_identity_kwargs(spec.user),
         }
         argv = [spec.cmd, *spec.args]
         try:
             if spec.pty_size is not None:
-                return self._spawn_pty(argv, common)
+                return self._spawn_pty(argv, {**common, **_identity_kwargs(spec.user)})
+            argv, identity = pipe_spawn_argv(argv, spec.user, spec.env)
             popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
-                argv, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
+                argv, **identity, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,  # type: ignore[call-overload]
             )
         except OSError as e:

@@ -3,7 +3,7 @@
 
 gVisor always reports no_new_privs, so a setuid `sudo` can never gain root here. This client instead hands its argv,
 environment, working directory and stdio file descriptors (SCM_RIGHTS) to the agent, which runs as root, checks who
-is asking (SO_PEERCRED) and runs the command; signals are relayed, and the command's exit status becomes ours.
+is asking (SCM_CREDENTIALS, checked by the kernel) and runs the command; signals are relayed, and the command's exit status becomes ours.
 
 Only the standard library, no `site` (-S): it must start fast, and it runs as any user.
 """
@@ -130,7 +130,10 @@ def parse_argv(argv: list[str]) -> dict:
 def _send_request(sock: socket.socket, request: dict) -> None:
     body = json.dumps(request).encode()
     frame = struct.pack(">I", len(body)) + body
-    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", 0, 1, 2))])
+    # Our credentials ride along explicitly: the kernel checks them, and the agent trusts nothing else.
+    creds = struct.pack("3i", os.getpid(), os.getuid(), os.getgid())
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", 0, 1, 2)),
+                                  (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
     if sent < len(frame):
         sock.sendall(frame[sent:])
 

@@ -6,8 +6,9 @@ gVisor reports no_new_privs to every process, so setuid binaries never elevate; 
 Agent → client: `{"error": msg, "exit": 1}` or, once the command ends, `{"exit": code}` / `{"signal": N}`, one line.
 
 Who may: root, members of group `sudo`, and the template's default user (whose /etc/sudoers.d entry is NOPASSWD);
-identified by SO_PEERCRED, never by anything the client says. Pure parts (`authorize`, `build_env`, `build_argv`)
-take plain values so they are tested without sockets.
+identified by the kernel-checked SCM_CREDENTIALS of the request (SO_PASSCRED), never by anything else the client
+says. Not SO_PEERCRED: gVisor 20240729 reports the listener's credentials (root) for accepted sockets.
+Pure parts (`authorize`, `build_env`, `build_argv`) take plain values so they are tested without sockets.
 """
 
 from __future__ import annotations
@@ -146,16 +147,19 @@ class _Session:
         self._loop = server.loop
         self._buffer = bytearray()
         self._fds: list[int] = []
+        self._creds: tuple[int, int, int] | None = None  # pid, uid, gid as attested by the kernel
         self._pid: int | None = None
         self._done = False
 
     def begin(self) -> None:
+        self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._conn.setblocking(False)
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
         try:
-            data, ancdata, _flags, _addr = self._conn.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
+            data, ancdata, _flags, _addr = self._conn.recvmsg(
+                65536, socket.CMSG_SPACE(16 * 4) + socket.CMSG_SPACE(struct.calcsize("3i")))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -165,6 +169,8 @@ class _Session:
                 fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 self._fds += list(fds)
+            elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and self._creds is None:
+                self._creds = struct.unpack("3i", payload[: struct.calcsize("3i")])
         if not data:
             self._on_client_gone()
             return
@@ -197,8 +203,9 @@ class _Session:
             self._close_fds()
 
     def _start(self, request: dict[str, Any]) -> None:
-        creds = self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _peer_pid, uid, gid = struct.unpack("3i", creds)
+        if self._creds is None:
+            raise SudoRefused("could not verify who is asking (no SCM_CREDENTIALS)")
+        _peer_pid, uid, gid = self._creds
         caller, groups = lookup_caller(uid, gid)
         if not authorize(caller, groups, self._server.default_user()):
             log.warning("sudo refused for uid %d (%s)", uid, caller.name)
@@ -211,10 +218,11 @@ class _Session:
         cwd = target.home if request.get("login") else str(request.get("chdir") or request.get("cwd") or "/")
         if not os.path.isdir(cwd):
             raise SudoRefused(f"unable to change directory to {cwd}")
-        identity: dict[str, Any] = {}
-        if target.uid != os.geteuid():  # running as ourselves lets subprocess use vfork
-            identity = {"user": target.uid, "group": target.gid,
-                        "extra_groups": os.getgrouplist(target.name, target.gid)}
+        from keepstate.agent.process import pipe_spawn_argv  # lazily: it pulls in protobuf
+        from keepstate.agent.users import User
+
+        argv, identity = pipe_spawn_argv(argv, User(target.name, target.uid, target.gid, target.home, target.shell),
+                                         env)
         umask = request.get("umask")
         proc = subprocess.Popen(  # noqa: S603 - running the allowed caller's command is the point
             argv, stdin=self._fds[0], stdout=self._fds[1], stderr=self._fds[2], cwd=cwd, env=env,
@@ -323,8 +331,9 @@ class SudoServer:
         except FileNotFoundError:
             pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # accepted sockets attest their sender
         sock.bind(self.path)
-        os.chmod(self.path, 0o666)  # anyone may ask; SO_PEERCRED decides
+        os.chmod(self.path, 0o666)  # anyone may ask; SCM_CREDENTIALS decides
         sock.listen(64)
         sock.setblocking(False)
         self._sock = sock

@@ -28,6 +28,17 @@ def test_default_user_and_cwd(sandbox) -> None:
     assert result.stdout.split() == ["user", "/home/user", "/home/user", "0022"]
 
 
+def test_user_has_no_root_left(sandbox) -> None:
+    # real, effective, saved and filesystem ids are all the user's, and no capability survives the switch.
+    status = sandbox.commands.run("grep -E '^(Uid|Gid|CapPrm|CapEff):' /proc/self/status").stdout
+    fields = {line.split(":")[0]: line.split()[1:] for line in status.splitlines()}
+    uid = sandbox.commands.run("id -u").stdout.strip()
+    assert fields["Uid"] == [uid] * 4 and uid != "0"
+    assert int(fields["CapPrm"][0], 16) == 0 and int(fields["CapEff"][0], 16) == 0
+    with pytest.raises(CommandExitException):
+        sandbox.commands.run("python3 -c 'import os; os.setuid(0)'")
+
+
 def test_root_user(sandbox) -> None:
     assert sandbox.commands.run("whoami", user="root").stdout == "root\n"
 

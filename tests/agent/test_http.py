@@ -200,3 +200,17 @@ def test_unknown_user_and_bad_query(secured) -> None:
     assert r.json() == {"code": "unauthenticated", "message": "invalid username: 'ghost'"}
     r = http.get("/files?path=%ff%fe", headers={"X-Access-Token": token})
     assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_missing_program_is_an_error_for_every_user(secured) -> None:
+    headers = {"X-Access-Token": secured.token, "Content-Type": "application/connect+json"}
+    with secured.client() as client:
+        for user in (b"user:", b"root:"):
+            auth = {"Authorization": "Basic " + base64.b64encode(user).decode()}
+            for cmd in ("no-such-program", "/no/such/program"):
+                start = {"process": {"cmd": cmd, "args": []}, "stdin": False}
+                r = client.post("/process.Process/Start", content=_envelope(start), headers={**headers, **auth})
+                frames = _frames(r.content) if r.status_code == 200 else [(2, r.json())]
+                flags, last = frames[-1]
+                assert flags == 2 and last["error"]["code"] == "internal", (user, cmd, frames)
+                assert f"error starting process '{cmd}'" in last["error"]["message"]

@@ -144,3 +144,24 @@ def test_sudo_refuses_users_not_allowed(sandbox, sudo) -> None:
     assert info.value.exit_code == 1
     assert "nobody is not in the sudoers file" in info.value.stderr
     assert "uid=0" not in info.value.stdout
+
+
+def test_forged_credentials_are_refused_by_the_kernel(sandbox) -> None:
+    # Nobody can claim to be root over the socket: the kernel refuses to carry such SCM_CREDENTIALS.
+    script = (
+        "import os, socket, struct\n"
+        "c = socket.socket(socket.AF_UNIX)\n"
+        "c.connect(os.environ.get('KEEPSTATE_SUDO_SOCKET') or '/run/keepstate/sudo.sock')\n"
+        "try:\n"
+        "    c.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack('3i', os.getpid(), 0, 0))])\n"
+        "    print('sent')\n"
+        "except PermissionError:\n"
+        "    print('refused')\n"
+    )
+    path = f"/tmp/forge-{uuid.uuid4().hex[:8]}.py"
+    sandbox.files.write(path, script, user="root")
+    try:
+        assert sandbox.commands.run(f"python3 {path}", user="nobody", cwd="/tmp").stdout \
+            == "refused\n"
+    finally:
+        sandbox.files.remove(path, user="root")

@@ -131,3 +131,16 @@ def test_import_while_warming_up(new_sandbox: Callable[..., Sandbox]) -> None:
     assert execution.error is None, execution.error
     assert [r.chart.type for r in execution.results if r.chart] == [ChartType.BAR]
     assert execution.results[-1].data == {"a": [1]}
+
+
+def test_chart_formatter_tolerates_half_imported_matplotlib(sandbox: Sandbox) -> None:
+    # What user code sees while warm.py's thread is still importing matplotlib.figure.
+    ctx = sandbox.create_code_context()
+    try:
+        sandbox.run_code("import sys, types\nsys.modules['matplotlib.figure'] = types.ModuleType('matplotlib.figure')",
+                         context=ctx)
+        execution = sandbox.run_code("[1, 2]", context=ctx)
+        assert execution.error is None, execution.error
+        assert execution.text == "[1, 2]"
+    finally:
+        sandbox.remove_code_context(ctx)

@@ -46,10 +46,11 @@ class Server:
         return {**os.environ, "KEEPSTATE_HOME": self.home, "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
 
 
-def start_server(home: str, port: int | None = None, pool: int = 2, extra: tuple[str, ...] = ()) -> Server:
+def start_server(home: str, port: int | None = None, pool: int = 2, extra: tuple[str, ...] = (),
+                 template_cache: str | None = None) -> Server:
     """Start `keepstate serve` in its own process group, as a user would."""
     port = port or free_port()
-    env = {**os.environ, "KEEPSTATE_HOME": home, "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
+    env = {**os.environ, "KEEPSTATE_HOME": home, "KEEPSTATE_TEMPLATE_CACHE": template_cache or TEMPLATE_CACHE}
     log = open(Path(home) / "server.log", "ab")
     proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
                              *extra], env=env, stdout=log, stderr=log, start_new_session=True)

@@ -16,11 +16,11 @@ def sandbox_ip(sbx) -> str:
 
 def test_host_files_are_not_visible(sandbox, tmp_path) -> None:
     secret = secrets.token_hex(16)
-    path = f"/tmp/keepstate-isolation-{secret}"
+    path = f"/tmp/keepstate-isolation-{secrets.token_hex(4)}"
     with open(path, "w") as f:
         f.write(secret)
     try:
-        r = sandbox.commands.run(f"cat {path} 2>&1; grep -rl {secret} /tmp /root /home 2>/dev/null; true",
+        r = sandbox.commands.run(f"cat {path} 2>/dev/null; grep -rl {secret} /tmp /root /home 2>/dev/null; true",
                                  user="root")
         assert secret not in r.stdout
         # the sandbox's kernel is gVisor's, not the host's

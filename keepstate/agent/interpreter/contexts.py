@@ -156,6 +156,13 @@ class Contexts:
                 self._defaults[lang] = asyncio.create_task(self.create(lang, default=True),
                                                           name=f"default-{lang}")
 
+    async def wait_defaults(self) -> list[str]:
+        """Once the default contexts being started have started or failed: the languages that started."""
+        tasks = dict(self._defaults)
+        if tasks:
+            await asyncio.wait([asyncio.shield(t) for t in tasks.values()])
+        return sorted(lang for lang, t in tasks.items() if not t.cancelled() and t.exception() is None)
+
     def get(self, context_id: str) -> Context:
         try:
             return self._contexts[context_id]

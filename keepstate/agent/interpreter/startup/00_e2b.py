@@ -32,8 +32,9 @@ def _e2b_register_formatters() -> None:
         print_method = ObjectName("_repr_e2b_chart_")
 
         def __call__(self, obj):
-            figure_module = sys.modules.get("matplotlib.figure")
-            if self.enabled and figure_module is not None and isinstance(obj, figure_module.Figure):
+            # The module may still be initialising on warm.py's import thread: no Figure yet.
+            figure_type = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+            if self.enabled and isinstance(figure_type, type) and isinstance(obj, figure_type):
                 return figure_to_chart(obj)
             return super().__call__(obj)
 

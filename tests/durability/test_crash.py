@@ -1,0 +1,177 @@
+"""Crashes, lost hosts, corrupt stores and incompatible hosts: the session survives or is refused clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+from e2b.exceptions import SandboxException
+
+from tests.sdk.sdkharness import KEEPSTATE
+
+from .conftest import Fleet, keepstate_env, sdk_opts, store_path
+
+
+def counting(sbx: Sandbox) -> None:
+    sbx.commands.run("nohup python3 -c 'import time\ni=0\nwhile True:\n  i+=1\n  open(\"/tmp/c\",\"w\").write(str(i))"
+                     "\n  time.sleep(0.05)' >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not sbx.files.exists("/tmp/c"):
+        time.sleep(0.1)
+
+
+def count(sbx: Sandbox) -> int:
+    return int(sbx.files.read("/tmp/c"))
+
+
+def ks(srv, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(KEEPSTATE), *args], env=keepstate_env(srv), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_sigkill_between_pause_and_resume(fleet: Fleet) -> None:
+    srv = fleet.start()
+    sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
+    counting(sbx)
+    sbx.files.write("/home/user/f.txt", "kept")
+    before = count(sbx)
+    sbx.pause()
+    port = int(srv.url.rsplit(":", 1)[1])
+    fleet.sigkill(srv)
+
+    srv2 = fleet.start(home=srv.home, port=port)
+    opts = sdk_opts(srv2)
+    resumed = Sandbox.connect(sbx.sandbox_id, **opts)
+    assert resumed.files.read("/home/user/f.txt") == "kept"
+    assert count(resumed) >= before
+    time.sleep(0.3)
+    assert count(resumed) > before  # the same process, still counting
+    resumed.kill()
+
+
+def test_resume_on_a_second_server_sharing_only_the_s3_store(fleet: Fleet, s3_server) -> None:
+    store = s3_server.url(f"portable-{time.time_ns()}")
+    a = fleet.start(store=store)
+    sbx = Sandbox.create(timeout=300, **sdk_opts(a))
+    counting(sbx)
+    sbx.files.write("/home/user/travels.txt", "across hosts")
+    before = count(sbx)
+    sbx.pause()
+    fleet.sigkill(a)
+    shutil.rmtree(a.home)  # the first host's data directory is lost
+
+    b = fleet.start(store=store)
+    resumed = Sandbox.connect(sbx.sandbox_id, **sdk_opts(b))
+    assert resumed.sandbox_id == sbx.sandbox_id
+    assert resumed.files.read("/home/user/travels.txt") == "across hosts"
+    assert count(resumed) >= before
+    resumed.kill()
+
+
+def test_flipped_byte_in_any_object_refuses_restore_and_verify_finds_it(fleet: Fleet) -> None:
+    srv = fleet.start()
+    sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
+    sbx.files.write("/home/user/x.txt", "x")
+    sbx.pause()
+    ls = json.loads(ks(srv, "checkpoint", "ls", "--json").stdout)
+    checkpoint_id = [c["checkpoint_id"] for c in ls if c["session_id"] == sbx.sandbox_id][-1]
+    packs = sorted(p for p in store_path(srv).rglob("*") if p.is_file() and "pack" in str(p))
+    assert packs, list(store_path(srv).rglob("*"))
+    victim = max(packs, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    with pytest.raises(SandboxException) as err:
+        Sandbox.connect(sbx.sandbox_id, **sdk_opts(srv))
+    message = str(err.value)
+    assert checkpoint_id in message and ("pack" in message or "chunk" in message)
+    # nothing was restored: the sandbox is still paused, not half-running
+    assert Sandbox.get_info(sbx.sandbox_id, **sdk_opts(srv)).state.value == "paused"
+    verify = ks(srv, "store", "verify")
+    assert verify.returncode != 0
+    assert victim.name in verify.stdout + verify.stderr or "pack" in (verify.stdout + verify.stderr)
+
+
+def test_sigkill_during_checkpoint_then_gc(fleet: Fleet) -> None:
+    srv = fleet.start()
+    opts = sdk_opts(srv)
+    sbx = Sandbox.create(timeout=600, **opts)
+    sbx.files.write("/home/user/v.txt", "v1")
+    sbx.pause()
+    Sandbox.connect(sbx.sandbox_id, **opts)  # a first checkpoint exists now
+    first = {c["checkpoint_id"] for c in json.loads(ks(srv, "checkpoint", "ls", "--json").stdout)}
+    # make the next ingest take a while: 256 MiB of fresh random memory
+    sbx.commands.run("python3 -c \"import os,time; b=os.urandom(256<<20); open('/tmp/ready','w').write('1'); "
+                     "time.sleep(3600)\" >/dev/null 2>&1 &")
+    while not sbx.files.exists("/tmp/ready"):
+        time.sleep(0.2)
+    pausing = threading.Thread(target=lambda: _ignore(lambda: Sandbox.pause(sbx.sandbox_id, **opts)))
+    pausing.start()
+    time.sleep(0.8)  # runsc has checkpointed; the store is ingesting
+    port = int(srv.url.rsplit(":", 1)[1])
+    fleet.sigkill(srv)
+    pausing.join()
+
+    srv2 = fleet.start(home=srv.home, port=port)
+    after = {c["checkpoint_id"] for c in json.loads(ks(srv2, "checkpoint", "ls", "--json").stdout)}
+    assert after == first  # no partial checkpoint is listed
+    # the sandbox was never lost: it is still running (a pause publishes before it stops anything)
+    again = Sandbox.connect(sbx.sandbox_id, **sdk_opts(srv2))
+    assert again.files.read("/home/user/v.txt") == "v1"
+    gc = ks(srv2, "store", "gc", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert ks(srv2, "store", "verify").returncode == 0
+
+
+def _ignore(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def test_restore_refused_when_template_build_differs(fleet: Fleet, tmp_path: Path) -> None:
+    store = f"file://{tmp_path / 'shared-store'}"
+    a = fleet.start(store=store)
+    sbx = Sandbox.create(timeout=300, **sdk_opts(a))
+    sbx.pause()
+    fleet.sigkill(a)
+    # a host whose `base` build is a different one: same definition, another root filesystem digest
+    cache = tmp_path / "other-templates"
+    real = Path("/var/lib/keepstate/templates/base/current").resolve()
+    fake = cache / "base" / real.name
+    fake.mkdir(parents=True)
+    (fake / "rootfs").symlink_to(real / "rootfs")
+    info = json.loads((real / "build.json").read_text())
+    info["digest"] = "0" * 64
+    (fake / "build.json").write_text(json.dumps(info))
+    (cache / "base" / "current").symlink_to(real.name)
+    b = fleet.start(store=store, cache=str(cache))
+    with pytest.raises(SandboxException) as err:
+        Sandbox.connect(sbx.sandbox_id, **sdk_opts(b))
+    assert "template digest" in str(err.value)
+
+
+def test_edited_event_fails_verification(fleet: Fleet) -> None:
+    srv = fleet.start()
+    sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
+    sbx.commands.run("echo history")
+    time.sleep(1.5)  # let the journal be pulled
+    ok = ks(srv, "events", sbx.sandbox_id, "--verify")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    db = sqlite3.connect(Path(srv.home) / "sessions.sqlite")
+    db.execute("UPDATE events SET kind='tampered' WHERE session_id=? AND seq=1", (sbx.sandbox_id,))
+    db.commit()
+    db.close()
+    bad = ks(srv, "events", sbx.sandbox_id, "--verify")
+    assert bad.returncode == 1
+    assert "1" in bad.stdout + bad.stderr
+    sbx.kill()
