@@ -7,6 +7,7 @@ REST API. Every error leaves as JSON {"code", "message"}.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from keepstate.db.catalog import Catalog
 from keepstate.errors import KeepStateError, Unauthorized
+from keepstate.runtime import network
 from keepstate.runtime.gvisor import GVisorRuntime
 from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
@@ -42,6 +44,8 @@ class ServerConfig:
     open_ports: tuple[int, ...] = field(default_factory=tuple)
     reap_on_exit: bool = False
     store_url: str | None = None  # default file://<home>/store; s3://bucket/prefix?endpoint=... to share
+    gateway_config: Path | None = None  # a GatewayConfig file: serve the metering gateway too
+    gateway_port: int = 3100
 
 
 def _envd_version() -> str:
@@ -84,8 +88,21 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
     poller = JournalPoller(event_log, interval=1.0)
     recorder = SessionRecorder(event_log, lineage, poller)
     durable = Durability(config.home, runtime, config.store_url)
+    gateway_app = gateway = None
+    open_ports = tuple(config.open_ports)
+    if config.gateway_config is not None:
+        from keepstate.gateway import GatewayConfig
+        from keepstate.gateway import create_app as create_gateway_app
+        from keepstate.gateway.server import GATEWAY
+
+        gw_config = GatewayConfig.from_file(config.gateway_config)
+        gw_config.data_dir = config.home
+        gateway_app = create_gateway_app(gw_config)
+        gateway = gateway_app[GATEWAY]
+        open_ports += (config.gateway_port,)
     manager = SandboxManager(catalog, runtime, recorder=recorder, durable=durable, pool_size=config.pool_size,
-                             agent_version=envd_version, host_name=socket.gethostname())
+                             agent_version=envd_version, host_name=socket.gethostname(), gateway=gateway,
+                             gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None)
     router = Router(manager)
     keys = KeyCache(catalog)
 
@@ -123,13 +140,24 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
     app.add_routes(control.routes)
     app.add_routes(events.routes)
 
+    gateway_runner: list[web.AppRunner] = []
+
     async def on_startup(app: web.Application) -> None:
         await router.start()
         await poller.start()
-        await manager.start(open_ports=config.open_ports, warm=config.warm_templates)
+        if gateway_app is not None:
+            await asyncio.to_thread(network.ensure_gateway_address)
+            runner = web.AppRunner(gateway_app, access_log=None)
+            await runner.setup()
+            for host in (network.GATEWAY_IP, "127.0.0.1"):
+                await web.TCPSite(runner, host, config.gateway_port).start()
+            gateway_runner.append(runner)
+        await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
         await manager.stop(reap=config.reap_on_exit)
+        for runner in gateway_runner:
+            await runner.cleanup()
         await poller.stop()
         await router.stop()
         catalog.close()

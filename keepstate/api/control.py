@@ -47,7 +47,12 @@ def sid(request: web.Request) -> str:
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "message": "Health check successful"})
+    m = manager(request)
+    pools = {}
+    for pool in m.pools.values():
+        pools[pool.template] = pools.get(pool.template, 0) + len(pool)
+    return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
+                              "running": len(m.live)})
 
 
 @routes.post("/v2/sandboxes")

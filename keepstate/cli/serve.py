@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import click
 
@@ -21,12 +22,19 @@ from .common import home_option
 @click.option("--store", "store_url", default=None, envvar="KEEPSTATE_STORE",
               help="Checkpoint store URL: file:///path (default <home>/store) or "
                    "s3://bucket/prefix?endpoint=http://host:8333 (share it to resume on another server).")
+@click.option("--gateway-config", type=click.Path(exists=True, dir_okay=False), default=None,
+              envvar="KEEPSTATE_GATEWAY_CONFIG",
+              help="Metering gateway configuration (providers, budgets; docs/design/gateway.md). With it, the "
+                   "gateway serves sandboxes on 10.88.255.254:PORT and the host on 127.0.0.1:PORT, and every "
+                   "sandbox gets OPENAI_*/ANTHROPIC_* variables pointing at it.")
+@click.option("--gateway-port", default=3100, show_default=True, type=int, help="The gateway's port.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
-def serve(listen: str, pool_size: int, warm: str, store_url: str | None, reap_on_exit: bool, log_level: str) -> None:
+def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
+          gateway_port: int, reap_on_exit: bool, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -49,7 +57,8 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, reap_on
         builder.ensure_built(name)
     config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
-                          store_url=store_url)
+                          store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
+                          gateway_port=gateway_port)
     try:
         import uvloop
 

@@ -45,6 +45,9 @@ class GatewayConfig:
     default_max_output_tokens: int = 4096
     upstream_timeout_s: float = 600.0
     upstream_connect_timeout_s: float = 10.0
+    # How long a request from a sandbox address that is not bound yet waits for its binding (a restored
+    # instance runs a moment before the server registers it) before it is answered 503.
+    binding_wait_s: float = 10.0
 
     @property
     def db_path(self) -> Path:
@@ -82,6 +85,7 @@ class GatewayConfig:
         cfg.session_budgets_usd = {str(k): float(v) for k, v in budgets.get("sessions", {}).items()}
         cfg.default_max_output_tokens = int(doc.get("default_max_output_tokens", cfg.default_max_output_tokens))
         cfg.upstream_timeout_s = float(doc.get("upstream_timeout_s", cfg.upstream_timeout_s))
+        cfg.binding_wait_s = float(doc.get("binding_wait_s", cfg.binding_wait_s))
         return cfg
 
 

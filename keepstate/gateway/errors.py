@@ -2,7 +2,7 @@
 
     GatewayError                      an answer the gateway gives itself, never an upstream one
      |- status, flavour-neutral type ("invalid_request", "authentication", "not_found", "rate_limit",
-     |  "budget", "conflict", "upstream", "timeout"), message
+     |  "budget", "conflict", "unavailable", "upstream", "timeout"), message
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _TYPES: dict[str, tuple[str, str | None, str]] = {
     "not_found": ("invalid_request_error", "model_not_found", "not_found_error"),
     "budget": ("insufficient_quota", "insufficient_quota", "rate_limit_error"),
     "conflict": ("server_error", "call_in_progress", "api_error"),
+    "unavailable": ("server_error", "sandbox_not_bound", "overloaded_error"),
     "upstream": ("server_error", "upstream_error", "api_error"),
     "timeout": ("server_error", "upstream_timeout", "api_error"),
     "internal": ("server_error", None, "api_error"),
@@ -66,6 +67,12 @@ def over_budget(scope: str, ident: str) -> GatewayError:
 
 def in_progress_elsewhere() -> GatewayError:
     return GatewayError(409, "conflict", "This call is in progress in another gateway process; retry shortly.")
+
+
+def not_bound_yet(peer: str) -> GatewayError:
+    # 503 and a retry-after: the SDKs retry it, and by then the sandbox instance is usually bound.
+    return GatewayError(503, "unavailable", f"The sandbox at {peer} is not registered with the gateway yet; retry.",
+                        headers={"retry-after": "1", "x-should-retry": "true"})
 
 
 def upstream_unreachable(provider: str, detail: str) -> GatewayError:

@@ -58,11 +58,13 @@ def _handler(endpoint: str) -> Any:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         gw = request.app[GATEWAY]
+        token = _token(request)
         try:
-            gw.authenticate(_token(request))
+            await gw.authenticate_waiting(token, request.remote)
             raw = await request.read()
             body = _parse(raw)
-            req = CallRequest(_token(request), endpoint, body, raw, {k.lower(): v for k, v in request.headers.items()})
+            req = CallRequest(token, endpoint, body, raw, {k.lower(): v for k, v in request.headers.items()},
+                              request.remote)
             answer = gw.begin(req)
         except GatewayError as e:
             return error_response(e, flavour)
@@ -145,7 +147,7 @@ async def _models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     anthropic = "anthropic-version" in request.headers
     try:
-        gw.authenticate(_token(request))
+        await gw.authenticate_waiting(_token(request), request.remote)
     except GatewayError as e:
         return error_response(e, "anthropic" if anthropic else "openai")
     if anthropic:

@@ -19,21 +19,22 @@ from typing import Any
 
 from keepstate.gateway.usage import Usage
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
   run_id TEXT PRIMARY KEY, token_hash TEXT UNIQUE NOT NULL, session_id TEXT NOT NULL, sandbox_id TEXT NOT NULL,
   api_key_id TEXT, checkpoint_id TEXT, mode TEXT NOT NULL, parent_session_id TEXT,
-  created_at REAL NOT NULL, ended_at REAL);
+  created_at REAL NOT NULL, ended_at REAL, aligned_at INTEGER, source_ip TEXT);
 CREATE INDEX IF NOT EXISTS runs_session ON runs(session_id, created_at);
 CREATE TABLE IF NOT EXISTS marks (
   checkpoint_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, run_id TEXT NOT NULL, position INTEGER NOT NULL,
-  created_at REAL NOT NULL);
+  created_at REAL NOT NULL, last_position INTEGER);
 CREATE TABLE IF NOT EXISTS positions (
   run_id TEXT NOT NULL, ordinal INTEGER NOT NULL, call_key TEXT NOT NULL, body_hash TEXT NOT NULL,
-  source TEXT NOT NULL, delivered INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (run_id, ordinal));
+  source TEXT NOT NULL, delivered INTEGER NOT NULL DEFAULT 0, arrived_at REAL, delivered_at REAL,
+  PRIMARY KEY (run_id, ordinal));
 CREATE INDEX IF NOT EXISTS positions_hash ON positions(run_id, body_hash, ordinal);
 CREATE TABLE IF NOT EXISTS calls (
   call_key TEXT PRIMARY KEY, session_id TEXT NOT NULL, run_id TEXT NOT NULL, endpoint TEXT NOT NULL,
@@ -62,7 +63,20 @@ CREATE TABLE IF NOT EXISTS reservations (
   id INTEGER PRIMARY KEY AUTOINCREMENT, call_key TEXT NOT NULL, owner TEXT NOT NULL, scope TEXT NOT NULL,
   ident TEXT NOT NULL, amount_nano INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS reservations_call ON reservations(call_key);
+CREATE TABLE IF NOT EXISTS bindings (
+  source_ip TEXT PRIMARY KEY, run_id TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS bindings_run ON bindings(run_id);
 """
+
+
+# What turns a version 1 file into a version 2 one; the `bindings` table itself comes from _SCHEMA.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE runs ADD COLUMN aligned_at INTEGER",
+    "ALTER TABLE runs ADD COLUMN source_ip TEXT",
+    "ALTER TABLE marks ADD COLUMN last_position INTEGER",
+    "ALTER TABLE positions ADD COLUMN arrived_at REAL",
+    "ALTER TABLE positions ADD COLUMN delivered_at REAL",
+)
 
 
 class StoreError(RuntimeError):
@@ -85,6 +99,8 @@ class Run:
     mode: str
     parent_session_id: str | None
     ended: bool
+    aligned_at: int | None = None  # for a run from a marked checkpoint: the source run's position of ordinal 0
+    source_ip: str | None = None  # the address its sandbox instance was registered with
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +111,8 @@ class Position:
     body_hash: str
     source: str
     delivered: bool
+    arrived_at: float | None = None
+    delivered_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +120,8 @@ class Mark:
     checkpoint_id: str
     session_id: str
     run_id: str
-    position: int
+    position: int  # the lowest position the restored agent can re-issue first
+    last_position: int | None = None  # the highest (None: exactly `position`); see docs/design/gateway.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +191,10 @@ class Store:
             row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) == 1:
+                for stmt in _MIGRATE_1_TO_2:
+                    self.db.execute(stmt)
+                self.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{path}: schema version {row[0]}, this gateway reads {SCHEMA_VERSION}")
 
@@ -190,13 +213,40 @@ class Store:
 
     # --- runs and checkpoint marks -------------------------------------------------------------------------------
 
-    def create_run(self, run: Run, token_hash: str) -> None:
+    def create_run(self, run: Run, token_hash: str, source_ip: str | None = None) -> None:
+        """Record a run and, with `source_ip`, bind that address to it (replacing any earlier binding)."""
         with self.tx() as db:
+            now = time.time()
             db.execute(
-                "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,NULL)",
+                "INSERT INTO runs (run_id, token_hash, session_id, sandbox_id, api_key_id, checkpoint_id, mode,"
+                " parent_session_id, created_at, source_ip) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (run.run_id, token_hash, run.session_id, run.sandbox_id, run.api_key_id, run.checkpoint_id,
-                 run.mode, run.parent_session_id, time.time()),
+                 run.mode, run.parent_session_id, now, source_ip),
             )
+            if source_ip is not None:
+                db.execute("INSERT OR REPLACE INTO bindings VALUES (?,?,?)", (source_ip, run.run_id, now))
+
+    def bound_run(self, source_ip: str) -> Run | None:
+        """The run whose sandbox instance has this address now, if it is bound and not ended."""
+        row = self.db.execute(
+            "SELECT runs.* FROM bindings JOIN runs USING (run_id) WHERE bindings.source_ip=? AND ended_at IS NULL",
+            (source_ip,),
+        ).fetchone()
+        return _run(row) if row else None
+
+    def bindings(self) -> dict[str, str]:
+        return {r[0]: r[1] for r in self.db.execute("SELECT source_ip, run_id FROM bindings")}
+
+    def parent_session(self, session_id: str) -> str | None:
+        """The session this one was forked from (recorded by its fork run; later runs of it need not repeat it)."""
+        row = self.db.execute(
+            "SELECT parent_session_id FROM runs WHERE session_id=? AND parent_session_id IS NOT NULL"
+            " ORDER BY created_at LIMIT 1", (session_id,),
+        ).fetchone()
+        return row[0] if row else None
+
+    def set_aligned(self, run_id: str, position: int) -> None:
+        self.db.execute("UPDATE runs SET aligned_at=? WHERE run_id=? AND aligned_at IS NULL", (position, run_id))
 
     def run_by_token_hash(self, token_hash: str) -> Run | None:
         row = self.db.execute("SELECT * FROM runs WHERE token_hash=?", (token_hash,)).fetchone()
@@ -218,25 +268,32 @@ class Store:
         return row is None or row[0] is not None
 
     def end_run(self, run_id: str) -> None:
-        self.db.execute("UPDATE runs SET ended_at=? WHERE run_id=? AND ended_at IS NULL", (time.time(), run_id))
+        with self.tx() as db:
+            db.execute("UPDATE runs SET ended_at=? WHERE run_id=? AND ended_at IS NULL", (time.time(), run_id))
+            db.execute("DELETE FROM bindings WHERE run_id=?", (run_id,))
 
     def next_ordinal(self, run_id: str) -> int:
         row = self.db.execute("SELECT MAX(ordinal) FROM positions WHERE run_id=?", (run_id,)).fetchone()
         return 0 if row[0] is None else row[0] + 1
 
-    def first_undelivered(self, run_id: str) -> int | None:
-        row = self.db.execute("SELECT MIN(ordinal) FROM positions WHERE run_id=? AND delivered=0", (run_id,)).fetchone()
-        return row[0]
+    def positions(self, run_id: str) -> list[Position]:
+        return [_position(r) for r in self.db.execute("SELECT * FROM positions WHERE run_id=? ORDER BY ordinal",
+                                                      (run_id,))]
 
     def put_mark(self, mark: Mark) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO marks VALUES (?,?,?,?,?)",
-            (mark.checkpoint_id, mark.session_id, mark.run_id, mark.position, time.time()),
+            "INSERT OR REPLACE INTO marks (checkpoint_id, session_id, run_id, position, created_at, last_position)"
+            " VALUES (?,?,?,?,?,?)",
+            (mark.checkpoint_id, mark.session_id, mark.run_id, mark.position, time.time(), mark.last_position),
         )
 
     def mark(self, checkpoint_id: str) -> Mark | None:
         row = self.db.execute("SELECT * FROM marks WHERE checkpoint_id=?", (checkpoint_id,)).fetchone()
-        return Mark(row["checkpoint_id"], row["session_id"], row["run_id"], row["position"]) if row else None
+        return _mark(row) if row else None
+
+    def marks_of_run(self, run_id: str) -> list[Mark]:
+        return [_mark(r) for r in self.db.execute("SELECT * FROM marks WHERE run_id=? ORDER BY created_at",
+                                                  (run_id,))]
 
     # --- positions, calls, divergences ---------------------------------------------------------------------------
 
@@ -251,13 +308,19 @@ class Store:
         return _position(row) if row else None
 
     def add_position(self, p: Position) -> None:
+        arrived = time.time() if p.arrived_at is None else p.arrived_at
+        delivered_at = (arrived if p.delivered_at is None else p.delivered_at) if p.delivered else None
         self.db.execute(
-            "INSERT INTO positions VALUES (?,?,?,?,?,?)",
-            (p.run_id, p.ordinal, p.call_key, p.body_hash, p.source, int(p.delivered)),
+            "INSERT INTO positions (run_id, ordinal, call_key, body_hash, source, delivered, arrived_at, delivered_at)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (p.run_id, p.ordinal, p.call_key, p.body_hash, p.source, int(p.delivered), arrived, delivered_at),
         )
 
     def set_delivered(self, run_id: str, ordinal: int) -> None:
-        self.db.execute("UPDATE positions SET delivered=1 WHERE run_id=? AND ordinal=?", (run_id, ordinal))
+        self.db.execute(
+            "UPDATE positions SET delivered=1, delivered_at=COALESCE(delivered_at, ?) WHERE run_id=? AND ordinal=?",
+            (time.time(), run_id, ordinal),
+        )
 
     def record_divergence(self, run_id: str, ordinal: int, expected: Position, got_hash: str) -> None:
         self.db.execute(
@@ -416,12 +479,17 @@ class Store:
 
 def _run(row: sqlite3.Row) -> Run:
     return Run(row["run_id"], row["session_id"], row["sandbox_id"], row["api_key_id"], row["checkpoint_id"],
-               row["mode"], row["parent_session_id"], row["ended_at"] is not None)
+               row["mode"], row["parent_session_id"], row["ended_at"] is not None, row["aligned_at"],
+               row["source_ip"])
 
 
 def _position(row: sqlite3.Row) -> Position:
     return Position(row["run_id"], row["ordinal"], row["call_key"], row["body_hash"], row["source"],
-                    bool(row["delivered"]))
+                    bool(row["delivered"]), row["arrived_at"], row["delivered_at"])
+
+
+def _mark(row: sqlite3.Row) -> Mark:
+    return Mark(row["checkpoint_id"], row["session_id"], row["run_id"], row["position"], row["last_position"])
 
 
 def _call(row: sqlite3.Row) -> Call:

@@ -174,7 +174,8 @@ class GVisorRuntime:
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
-        args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
+        # Uncompressed: the store compresses chunk by chunk, after deduplication.
+        args = ["checkpoint", f"--image-path={image_dir}", "--compression=none", "--exclude-committed-zero-pages"]
         if leave_running:
             args.append("--leave-running")
         proc = self._runsc(*args, handle.name, timeout=600)

@@ -14,7 +14,10 @@ import subprocess
 from dataclasses import dataclass
 
 BASE = ipaddress.IPv4Network("10.88.0.0/16")
-MAX_SLOTS = BASE.num_addresses // 4
+# The last /30 is not a slot: its .254 is the metering gateway's fixed address, the same for every
+# sandbox (on the host's loopback), so a base URL in a sandbox stays valid across restores and forks.
+MAX_SLOTS = BASE.num_addresses // 4 - 1
+GATEWAY_IP = str(BASE.broadcast_address - 1)
 CHAIN = "KEEPSTATE-IN"
 FWD_CHAIN = "KEEPSTATE-FWD"
 
@@ -112,6 +115,12 @@ def destroy(link: Link) -> None:
 
 def exists(link: Link) -> bool:
     return _run("ip", "netns", "pids", link.netns, check=False).returncode == 0
+
+
+def ensure_gateway_address() -> None:
+    """Put GATEWAY_IP on the host's loopback so sandboxes reach it through their own veth."""
+    if GATEWAY_IP not in _run("ip", "-4", "addr", "show", "dev", "lo").stdout:
+        _run("ip", "addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
 
 
 def install_firewall(open_ports: tuple[int, ...] = ()) -> None:

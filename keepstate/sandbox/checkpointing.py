@@ -66,8 +66,11 @@ class Checkpointing:
         self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
         log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
                  paused_for * 1000, (time.monotonic() - started) * 1000)
-        if self.gateway is not None:
-            self.gateway.mark_checkpoint(session, checkpoint_id)
+        if self.gateway is not None and row.doc.get("gatewayToken"):
+            try:
+                self.gateway.mark_checkpoint(session, checkpoint_id)
+            except LookupError as exc:  # no active run: nothing to mark, say so
+                log.warning("gateway mark for checkpoint %s: %s", checkpoint_id, exc)
         return manifest
 
     async def pause(self: SandboxManager, sandbox_id: str, memory: bool = True) -> str:
@@ -126,6 +129,9 @@ class Checkpointing:
             self.catalog.put_sandbox(row)
             raise
         self.live[row.sandbox_id] = row
+        if self.gateway is not None and row.doc.get("gatewayToken"):
+            self.register_gateway_run(row)
+        self.catalog.put_sandbox(row)
         self.recorder.resumed(row.doc.get("session_id", row.sandbox_id), checkpoint_id, self.host_name,
                               agent_url=f"http://{row.address}:49983", token=row.access_token)
         return row
@@ -214,6 +220,9 @@ class Checkpointing:
                          api_key_id=api_key_id or parent.api_key_id,
                          doc={**parent.doc, "session_id": child_id, "checkpoint_id": manifest.checkpoint_id,
                               "forked_from": parent.sandbox_id})
+        parent_session = parent.doc.get("session_id", parent.sandbox_id)
+        if self.gateway is not None and parent.doc.get("gatewayToken"):
+            self.register_gateway_run(row, parent_session=parent_session)
         self.catalog.put_sandbox(row)
         try:
             await self._wait_agent(row)
@@ -224,7 +233,6 @@ class Checkpointing:
             await self._reap(row)
             raise
         self.live[child_id] = row
-        parent_session = parent.doc.get("session_id", parent.sandbox_id)
         self.recorder.forked(parent_session, child_id, manifest.checkpoint_id,
                              agent_url=f"http://{row.address}:49983", token=row.access_token)
         return row

@@ -165,14 +165,15 @@ class SandboxManager(Checkpointing):
         pool = self.pools.get(row.template_digest)
         if pool is None:
             pool = self.pools[row.template_digest] = Pool(row.template_digest, self.pool_size,
-                                                          lambda: self._start_pooled(row.template_id))
+                                                          lambda: self._start_pooled(row.template_id),
+                                                          template=row.template_id)
         pool.adopt(row)
 
     def _pool_for(self, built: builder.Built) -> Pool:
         pool = self.pools.get(built.digest)
         if pool is None:
             pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
-                                                   lambda: self._start_pooled(built.name))
+                                                   lambda: self._start_pooled(built.name), template=built.name)
         return pool
 
     # -- starting sandboxes ---------------------------------------------------------
@@ -260,12 +261,22 @@ class SandboxManager(Checkpointing):
         """Template env, then the metering gateway's variables, then the create request's own."""
         env = dict(row.doc.get("templateEnv", {}))
         if self.gateway is not None and self.gateway_url and row.doc.get("gateway", True):
-            token = self.gateway.register_run(row.doc.get("session_id", row.sandbox_id), row.sandbox_id,
-                                              row.api_key_id, row.doc.get("checkpoint_id"))
-            row.doc["gatewayToken"] = token
+            token = row.doc.get("gatewayToken") or self.register_gateway_run(row)
             env.update(self.gateway.sandbox_env(token, self.gateway_url))
         env.update(row.doc.get("envVars", {}))
         return env
+
+    def register_gateway_run(self, row: SandboxRow, parent_session: str | None = None) -> str:
+        """A new gateway run for this sandbox instance, bound to its current address.
+
+        Processes keep the token they were started with (it lives in their memory), so after a
+        restore or fork the gateway tells runs apart by the instance's address.
+        """
+        token: str = self.gateway.register_run(
+            row.doc.get("session_id", row.sandbox_id), row.sandbox_id, row.api_key_id, row.doc.get("checkpoint_id"),
+            parent_session_id=parent_session, source_ip=row.address)
+        row.doc["gatewayToken"] = token
+        return token
 
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         if req.timeout <= 0:

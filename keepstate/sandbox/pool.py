@@ -17,8 +17,9 @@ log = logging.getLogger("keepstate.pool")
 
 
 class Pool:
-    def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]]) -> None:
+    def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]], template: str = "") -> None:
         self.key = key
+        self.template = template
         self.size = size
         self._start = start
         self._ready: deque[SandboxRow] = deque()

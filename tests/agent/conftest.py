@@ -16,10 +16,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.agent.harness import HOST_ONLY_REASON, REMOTE, REMOTE_API, REMOTE_KEY, AgentProcess, ControlPlaneStub, Wire
+from tests.agent.harness import (
+    HOST_ONLY_REASON,
+    REMOTE,
+    REMOTE_API,
+    REMOTE_KEY,
+    AgentProcess,
+    ControlPlaneStub,
+    Wire,
+    wire_of,
+)
 
 USER = "user"
-AGENT_PORT = 49983
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +94,7 @@ def _shared_sandbox(control_plane: ControlPlaneStub | None) -> Iterator[object |
         return
     from e2b import Sandbox
 
-    sbx = Sandbox.create(timeout=600)
+    sbx = Sandbox.create(timeout=600, envs={"SECURED": "1"})  # the sandbox env var `secured` promises
     try:
         yield sbx
     finally:
@@ -132,17 +140,11 @@ def home_dir(sandbox_user: str, _shared_sandbox: object | None) -> Iterator[str]
 
 
 @pytest.fixture
-def secured(control_plane: ControlPlaneStub | None, request: pytest.FixtureRequest) -> Iterator[Wire]:
+def secured(control_plane: ControlPlaneStub | None, _shared_sandbox: object | None,
+            request: pytest.FixtureRequest) -> Iterator[Wire]:
     """Raw HTTP access to an agent that has an access token and the sandbox env var SECURED=1."""
-    if REMOTE:
-        from e2b import Sandbox
-
-        sbx = Sandbox.create(timeout=120, envs={"SECURED": "1"})
-        try:
-            yield Wire(url=REMOTE_API, token=sbx._envd_access_token or "",  # noqa: SLF001 - no public accessor
-                       routing={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT)})
-        finally:
-            sbx.kill()
+    if _shared_sandbox is not None:
+        yield wire_of(_shared_sandbox)
         return
     agent: AgentProcess = request.getfixturevalue("agent")
     token = secrets.token_hex(8)

@@ -43,6 +43,20 @@ def test_parse_argv() -> None:
             parse(bad)
 
 
+def test_request_encoding_roundtrip() -> None:
+    server = pytest.importorskip("keepstate.agent.sudo_server")
+    request = _client_module().parse_argv(["-E", "-u", "nobody", "--preserve-env=A", "X=1=2", "printf", "%s\n", "a b",
+                                           "caf\u00e9"])
+    env = {"PATH": "/bin", "ODD": "x=y", "EMPTY": "", "BYTES": "\udcff"}
+    decoded = server.decode_request(_client_module().encode_request(request, env, "/tmp", 0o027))
+    assert decoded == {"user": "nobody", "cwd": "/tmp", "umask": 0o027, "login": False, "shell": False,
+                       "preserve_env": True, "set_home": False, "command": ["printf", "%s\n", "a b", "caf\u00e9"],
+                       "preserve_list": ["A"], "assignments": {"X": "1=2"}, "env": env}
+    for bad in (b"", b"other/1", b"keepstate-sudo/1\0user", b"keepstate-sudo/1\0bogus\0x"):
+        with pytest.raises(ValueError):
+            server.decode_request(bad)
+
+
 def test_env_argv_and_authorization_rules() -> None:
     server = pytest.importorskip("keepstate.agent.sudo_server")
     caller = server.Caller("user", 1000, 1000)
@@ -165,3 +179,19 @@ def test_forged_credentials_are_refused_by_the_kernel(sandbox) -> None:
             == "refused\n"
     finally:
         sandbox.files.remove(path, user="root")
+
+
+def test_sudo_commands_are_journaled(sandbox, sudo) -> None:
+    from tests.agent.harness import wire_of
+
+    http = wire_of(sandbox).client(authed=True)
+    start = http.get("/journal", params={"limit": 0}).json()["last"]
+    marker = uuid.uuid4().hex[:8]
+    sandbox.commands.run(f"{sudo} -n true {marker}")
+    events = http.get("/journal", params={"after": start}).json()["events"]
+    runs = [e for e in events if e["data"].get("tag") == "sudo" and marker in e["data"].get("args", [])]
+    assert len(runs) == 1
+    assert (runs[0]["kind"], runs[0]["data"]["user"]) == ("process.start", "root")
+    assert runs[0]["data"]["cmd"].endswith("/true")
+    ends = [e for e in events if e["kind"] == "process.exit" and e["data"]["pid"] == runs[0]["data"]["pid"]]
+    assert len(ends) == 1 and ends[0]["data"]["exitCode"] == 0

@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
 TEMPLATE = "code-interpreter-v1"
 START_TIMEOUT = 300.0
+# Servers this process started, kept so that they are waited for (and not garbage-collected running).
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -76,26 +78,27 @@ def start(home: Path, pool_size: int) -> tuple[Server, int]:
         proc.terminate()
         proc.wait(timeout=60)
         raise
+    _CHILDREN[proc.pid] = proc
     return Server(url=url, key=key), proc.pid
 
 
 def stop(pid: int) -> None:
+    """SIGTERM the server and wait until it has reaped its sandboxes and exited."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    # Not our child when another worker started it: poll until it is gone.
+    child = _CHILDREN.pop(pid, None)
+    if child is not None:
+        child.wait(timeout=90)
+        return
+    # Started by another xdist worker: not our child, so poll until it is gone.
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:
-            pass
         time.sleep(0.2)
 
 

@@ -12,10 +12,15 @@ from e2b_code_interpreter import Sandbox
 from tests.interpreter.conftest import HOME
 
 
-def test_default_contexts_listed(sandbox: Sandbox) -> None:
-    # Other tests of the module may have added contexts of their own to the shared sandbox.
-    defaults = [c for c in sandbox.list_code_contexts() if c.cwd == HOME]
-    assert {"python", "javascript"} <= {c.language for c in defaults}
+def test_default_contexts(new_sandbox: Callable[..., Sandbox]) -> None:
+    sbx = new_sandbox()
+    # Python's default context starts with the sandbox; other languages' on their first use.
+    assert [c.language for c in sbx.list_code_contexts()] == ["python"]
+    sbx.run_code("const jsDefault = 1", language="js")
+    assert sbx.run_code("jsDefault + 1", language="javascript").logs.stdout == ["2\n"]
+    contexts = sbx.list_code_contexts()
+    assert sorted(c.language for c in contexts) == ["javascript", "python"]
+    assert all(c.cwd == HOME for c in contexts)
 
 
 def test_create_list_restart_remove(sandbox: Sandbox) -> None:

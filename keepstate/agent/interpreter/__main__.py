@@ -35,8 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envd-url", default="http://127.0.0.1:49983", help="the sandbox's envd agent")
     p.add_argument("--runtime-dir", default=None,
                    help="directory for kernel connection files and IPC sockets (default: a new one in /tmp)")
-    p.add_argument("--default-languages", default="python,javascript",
-                   help="comma-separated languages whose default contexts start with the bridge")
+    # Python only: a tslab kernel costs ~235 MB and seconds of CPU at every sandbox start, for a
+    # language few sessions use; its default context starts on first use instead.
+    p.add_argument("--default-languages", default="python",
+                   help="comma-separated languages whose default contexts start with the bridge (default: python)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Contexts: named kernels the SDK runs code in, and the executions running in them.
 
-Each language has a default context, created on first use (python and javascript at start-up).
+Each language has a default context, created on first use (python at start-up).
 Executions in one context run one at a time, in arrival order. An execution runs in its own task
 so that what must happen after the user's code (reverting per-execution env vars) still happens
 when the client has gone away.

@@ -22,8 +22,9 @@ from keepstate.agent.interpreter.output import ExecutionOutput, Line
 
 log = logging.getLogger(__name__)
 
-# How long a kernel may take to answer its first kernel_info_request (cold imports on 2 cores).
-START_TIMEOUT = 60.0
+# How long a kernel may take to answer its first kernel_info_request: tslab loads the TypeScript
+# compiler, which has taken over a minute on 2 busy cores.
+START_TIMEOUT = 180.0
 ABORT_RETRIES = 3
 
 

@@ -97,15 +97,16 @@ async def _stream(request: web.Request, execution: Execution) -> web.StreamRespo
     finished = False
     try:
         await response.prepare(request)
-        while True:
+        while not finished:
             try:
-                line = await asyncio.wait_for(execution.lines.get(), KEEPALIVE_INTERVAL)
+                lines = [await asyncio.wait_for(execution.lines.get(), KEEPALIVE_INTERVAL)]
             except TimeoutError:
-                line = KEEPALIVE
-            await response.write(encode(line))
-            if line is END:
-                finished = True
-                break
+                lines = [KEEPALIVE]
+            # Whatever else is ready goes in the same write: each send is a syscall, dear under gVisor.
+            while lines[-1] is not END and not execution.lines.empty():
+                lines.append(execution.lines.get_nowait())
+            finished = lines[-1] is END
+            await response.write(b"".join(map(encode, lines)))
     finally:
         # Cancelled (client gone, aiohttp handler_cancellation) or the write failed: stop the code.
         if not finished:

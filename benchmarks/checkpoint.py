@@ -1,0 +1,180 @@
+"""Durable sessions: checkpoint, resume, incremental and fork figures beside the same data's peers.
+
+    python benchmarks/checkpoint.py [--sizes 64,256,512] [--forks 10] [--no-store-bench]
+
+Starts its own KeepState server (own data dir, local store, shared template cache). For each
+size, a sandbox holds that much random state in a live process; then, with the stock e2b SDK:
+  * pause (checkpoint + ingest + stop) and resume (materialise + verify + runsc restore) times,
+  * stored bytes of the checkpoint, and of a second one after a 1 MiB change (incremental),
+and beside them, measured in the same run on the same image:
+  * `runsc checkpoint` + `runsc restore` alone, on a local folder (gVisor with no store),
+  * `restic backup` / `restic restore` of the same image folder (stored bytes and times).
+Then fork of --forks copies, and (unless --no-store-bench) benchmarks/store.py's ingest and
+verified-restore throughput beside restic. Goals (issue 3): pause+resume of 256 MiB under 1 s,
+incremental checkpoints under 2x the bytes changed, fork of 10 under 3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, KEEPSTATE, row, server  # noqa: E402
+
+MiB = 1 << 20
+HOLD = ("import os,time\nb=bytearray(os.urandom({n}<<20))\nopen('/tmp/ready','w').write('1')\n"
+        "while True:\n  time.sleep(0.2)\n  if os.path.exists('/tmp/poke'):\n"
+        "    os.unlink('/tmp/poke'); b[:1<<20]=os.urandom(1<<20); open('/tmp/poked','w').write('1')\n")
+
+
+def restic(*args: str, repo: Path, env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(["restic", "-r", str(repo), "--no-cache", "-q", *args], check=True, env=env,
+                   capture_output=True)
+    return time.perf_counter() - t
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def checkpoints(srv) -> list[dict]:
+    out = subprocess.check_output([str(KEEPSTATE), "checkpoint", "ls", "--json"], env=srv.env())
+    return json.loads(out)
+
+
+def wait_file(sbx, path: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not sbx.files.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.2)
+
+
+def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
+    """runsc checkpoint --leave-running and runsc restore of the same sandbox, no store involved."""
+    sys.path.insert(0, str(REPO))
+    from keepstate.db.catalog import Catalog
+    from keepstate.runtime.base import Handle, Limits, SandboxSpec, TemplateRoot
+    from keepstate.runtime.gvisor import GVisorRuntime
+    from keepstate.template.builder import latest
+
+    row_ = Catalog(srv.home / "catalog.sqlite").get_sandbox(sandbox_id)
+    rt = GVisorRuntime(srv.home / "sandboxes")
+    image = work / "raw-image"
+    t = time.perf_counter()
+    rt.checkpoint(Handle(row_.runtime_name, None, row_.slot), image, leave_running=True)  # type: ignore[arg-type]
+    ckpt = time.perf_counter() - t
+    b = latest("base")
+    spec = SandboxSpec(name=f"bench-raw-{os.getpid()}", template=TemplateRoot("base", b.digest, b.rootfs),
+                       limits=Limits(cpu=row_.cpu, memory_mb=row_.memory_mb))
+    t = time.perf_counter()
+    h = rt.restore(spec, image, slot=16000 + os.getpid() % 300)
+    rest = time.perf_counter() - t
+    rt.destroy(h)
+    return ckpt, rest, image
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64,256,512")
+    ap.add_argument("--forks", type=int, default=10)
+    ap.add_argument("--no-store-bench", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="keepstate-ckbench-"))
+    lines: list[str] = []
+    renv = {**os.environ, "RESTIC_PASSWORD": "bench"}
+    try:
+        with server(pool=0) as srv:
+            srv.sdk_env()
+            from e2b import Sandbox
+
+            for n in sizes:
+                created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 900,
+                                                             "memoryMB": max(512, n * 2 + 256)})
+                sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
+                sbx.files.write("/tmp/hold.py", HOLD.format(n=n))
+                sbx.commands.run("nohup python3 /tmp/hold.py >/dev/null 2>&1 &")
+                wait_file(sbx, "/tmp/ready")
+
+                raw_ck, raw_rs, raw_image = raw_runsc(srv, sbx.sandbox_id, work)
+                image_bytes = dir_bytes(raw_image)
+                repo = work / f"restic-{n}"
+                restic("init", repo=repo, env=renv)
+                rb = restic("backup", str(raw_image), repo=repo, env=renv)
+                rstored = dir_bytes(repo)
+                rr = restic("restore", "latest", "--target", str(work / f"rr-{n}"), repo=repo, env=renv)
+
+                before = {c["checkpoint_id"] for c in checkpoints(srv)}
+                t = time.perf_counter()
+                sbx.pause()
+                pause_s = time.perf_counter() - t
+                t = time.perf_counter()
+                sbx = Sandbox.connect(sbx.sandbox_id)
+                resume_s = time.perf_counter() - t
+                first = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
+                stored = int(first["stats"]["added_bytes"])
+
+                sbx.files.write("/tmp/poke", "1")
+                wait_file(sbx, "/tmp/poked")
+                before = {c["checkpoint_id"] for c in checkpoints(srv)}
+                sbx.pause()
+                sbx = Sandbox.connect(sbx.sandbox_id)
+                second = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
+                incr = int(second["stats"]["added_bytes"])
+                restic("backup", str(raw_image), repo=repo, env=renv)  # same image: restic's dedupe floor
+                sbx.kill()
+                shutil.rmtree(raw_image, ignore_errors=True)
+
+                lines.append(f"sandbox holding {n} MiB (image {image_bytes / MiB:.0f} MiB):")
+                lines.append(row("pause (checkpoint+ingest+stop)", pause_s * 1000, raw_ck * 1000,
+                                 peer_name="runsc checkpoint only"))
+                lines.append(row("resume (verify+restore)", resume_s * 1000, raw_rs * 1000,
+                                 peer_name="runsc restore only"))
+                lines.append(row("pause + resume", (pause_s + resume_s) * 1000, (rb + rr) * 1000,
+                                 peer_name="restic backup+restore"))
+                lines.append(row("stored bytes", stored / MiB, rstored / MiB, unit="MiB", peer_name="restic repo"))
+                lines.append(row("stored after a 1 MiB change", incr / MiB, 1.0, unit="MiB",
+                                 peer_name="bytes changed"))
+
+            created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 600})
+            sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
+            sbx.commands.run("echo forkme > /tmp/f")
+            t = time.perf_counter()
+            forks = sbx.fork(count=args.forks, timeout=300)
+            fork_s = time.perf_counter() - t
+            ok = sum(1 for f in forks if isinstance(f, Sandbox))
+            t = time.perf_counter()
+            for f in forks:
+                if isinstance(f, Sandbox):
+                    f.commands.run("true")
+            first_cmds = time.perf_counter() - t
+            raw_ck, raw_rs, raw_image = raw_runsc(srv, sbx.sandbox_id, work)
+            for f in forks:
+                if isinstance(f, Sandbox):
+                    f.kill()
+            sbx.kill()
+            lines.append(f"fork into {args.forks} ({ok} succeeded):")
+            lines.append(row(f"fork of {args.forks} (checkpoint+ingest+restores)", fork_s * 1000,
+                             (raw_ck + args.forks * raw_rs) * 1000, peer_name="runsc ckpt+N restores"))
+            lines.append(f"  first command in every fork: {first_cmds * 1000:.0f} ms in all")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(lines))
+    print("goals: pause+resume of 256 MiB < 1 s; incremental < 2x bytes changed; fork of 10 < 3 s")
+    if not args.no_store_bench:
+        print("\nstore ingest and verified restore beside restic (benchmarks/store.py):", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).with_name("store.py")), "--sizes", "64,512"], check=False)
+
+
+if __name__ == "__main__":
+    main()
