@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.agent.harness import wire_of
+from tests.agent.harness import REMOTE, wire_of
 
 
 def test_journal_sequence_capacity_and_pages() -> None:
@@ -72,3 +72,34 @@ def test_journal_records_sdk_actions(sandbox, home_dir) -> None:
         ("process.exit", {"pid": pid, "exitCode": 3, "status": "exit status 3"}),
     ]
     assert all(isinstance(e["ts"], float) for e in events)
+
+
+@pytest.mark.skipif(not REMOTE, reason="needs real sandboxes: checkpoints are the server's")
+def test_journal_continues_across_pause_and_fork(control_plane) -> None:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    made = [sbx]
+    try:
+        sbx.files.write("/tmp/before.txt", "b")
+        before = wire_of(sbx).client(authed=True).get("/journal", params={"limit": 0}).json()["last"]
+        assert before >= 1
+        sbx.pause()
+        resumed = Sandbox.connect(sbx.sandbox_id)
+        resumed.files.write("/tmp/after.txt", "a")
+        events = wire_of(resumed).client(authed=True).get("/journal", params={"after": before}).json()["events"]
+        assert [(e["seq"], e["kind"], e["data"]["path"]) for e in events] == [
+            (before + 1, "file.write", "/tmp/after.txt")]
+        forks = resumed.fork(count=1) if hasattr(resumed, "fork") else []
+        for fork in forks:
+            assert not isinstance(fork, Exception), fork
+            made.append(fork)
+            fork.files.write("/tmp/in-fork.txt", "f")
+            page = wire_of(fork).client(authed=True).get("/journal", params={"after": before + 1}).json()
+            assert [(e["seq"], e["data"]["path"]) for e in page["events"]] == [(before + 2, "/tmp/in-fork.txt")]
+    finally:
+        for s in made:
+            try:
+                s.kill()
+            except Exception:  # noqa: BLE001 - best effort clean-up
+                pass

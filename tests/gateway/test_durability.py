@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -95,7 +96,8 @@ async def test_resume_from_checkpoint_reissues_calls_from_store(env: Env) -> Non
     r1 = env.token("s1", "sbx-1")
     for i in range(2):
         await env.post(r1, "/v1/chat/completions", chat(f"step {i}"))
-    assert env.gateway.mark_checkpoint("s1", "ckpt-A") == 2
+    frozen = time.time()
+    assert env.gateway.mark_checkpoint("s1", "ckpt-A", frozen, frozen) == 2
     for i in range(2, 4):
         await env.post(r1, "/v1/chat/completions", chat(f"step {i}"))
     await kill_mid_stream(env, r1, chat("step 4", stream=True))  # the sandbox dies mid-call

@@ -1,0 +1,37 @@
+"""Slot addressing and the OCI spec are pure: same input, same result, no runsc needed."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from keepstate.runtime import network
+from keepstate.runtime.base import Limits, SandboxSpec, TemplateRoot
+from keepstate.runtime.gvisor import oci_spec
+
+
+def test_slots_are_disjoint_30s_and_avoid_the_gateway_address() -> None:
+    seen = set()
+    for slot in (0, 1, 2, 63, 64, network.MAX_SLOTS - 1):
+        link = network.link_for(slot)
+        net = ipaddress.ip_network(f"{link.host_ip}/30", strict=False)
+        assert ipaddress.ip_address(link.sandbox_ip) in net and net not in seen
+        seen.add(net)
+        assert network.GATEWAY_IP not in (link.host_ip, link.sandbox_ip)
+    with pytest.raises(ValueError):
+        network.link_for(network.MAX_SLOTS)
+    assert ipaddress.ip_address(network.GATEWAY_IP) in network.BASE
+
+
+def test_oci_spec_limits_namespace_and_readonly_lib() -> None:
+    link = network.link_for(5)
+    spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(1.5, 256, 99))
+    doc = oci_spec(spec, link, Path("/lib/keepstate"))
+    res = doc["linux"]["resources"]
+    assert res["memory"]["limit"] == 256 << 20 and res["cpu"]["quota"] == 150_000 and res["pids"]["limit"] == 99
+    assert {"type": "network", "path": "/run/netns/ks5"} in doc["linux"]["namespaces"]
+    lib = [m for m in doc["mounts"] if m["destination"] == "/opt/keepstate/lib/keepstate"][0]
+    assert "ro" in lib["options"]
+    assert doc["process"]["args"][0] == "/usr/bin/tini"
