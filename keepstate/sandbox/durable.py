@@ -12,6 +12,7 @@ in the manifest's labels: the sandbox's settings, under the label "sandbox" as J
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ from typing import Any
 
 from keepstate.db.catalog import SandboxRow
 from keepstate.errors import KeepStateError, NotFound, Refused
-from keepstate.runtime.base import Handle, Limits, SandboxSpec, TemplateRoot
+from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
 from keepstate.runtime.gvisor import GVisorRuntime, host_cpu_flags, runsc_release
 from keepstate.store import (
     CheckpointMeta,
@@ -38,6 +39,8 @@ from keepstate.store import (
     restore_problems,
 )
 from keepstate.template import builder
+
+log = logging.getLogger("keepstate.sandbox")
 
 # CPU features a memory image may depend on: instruction-set extensions user code picks at start-up.
 _ISA_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "avx512f", "avx512bw", "avx512vl", "fma", "bmi1", "bmi2",
@@ -82,7 +85,16 @@ class Durability:
         handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
         started = time.monotonic()
         try:
-            self.runtime.checkpoint(handle, image, leave_running=leave_running)
+            try:
+                self.runtime.checkpoint(handle, image, leave_running=leave_running)
+            except RuntimeFailure as first:
+                # runsc 20240729 now and then fails a checkpoint of a busy sandbox; it keeps running, so one
+                # more try is safe. The first failure is logged in full.
+                log.warning("checkpoint of %s failed once, retrying: %s", row.sandbox_id, first)
+                shutil.rmtree(image, ignore_errors=True)
+                image.mkdir()
+                time.sleep(0.2)
+                self.runtime.checkpoint(handle, image, leave_running=leave_running)
         except BaseException:
             shutil.rmtree(image, ignore_errors=True)
             raise

@@ -175,3 +175,29 @@ def test_edited_event_fails_verification(fleet: Fleet) -> None:
     assert bad.returncode == 1
     assert "1" in bad.stdout + bad.stderr
     sbx.kill()
+
+
+def test_exported_checkpoint_resumes_on_another_server(fleet: Fleet, tmp_path: Path) -> None:
+    a = fleet.start()
+    sbx = Sandbox.create(timeout=300, **sdk_opts(a))
+    counting(sbx)
+    sbx.files.write("/home/user/moved.txt", "by archive")
+    sbx.pause()
+    ls = json.loads(ks(a, "checkpoint", "ls", "--json").stdout)
+    checkpoint_id = [c["checkpoint_id"] for c in ls if c["session_id"] == sbx.sandbox_id][-1]
+    archive = tmp_path / "session.kscp"
+    out = ks(a, "checkpoint", "export", checkpoint_id, str(archive), "-q")
+    assert out.returncode == 0, out.stderr
+    fleet.sigkill(a)
+    shutil.rmtree(a.home)
+
+    b = fleet.start()  # another data directory, another (empty) store
+    imp = ks(b, "checkpoint", "import", str(archive), "-q")
+    assert imp.returncode == 0, imp.stderr
+    assert ks(b, "checkpoint", "verify", checkpoint_id).returncode == 0
+    resumed = Sandbox.connect(sbx.sandbox_id, **sdk_opts(b))
+    assert resumed.files.read("/home/user/moved.txt") == "by archive"
+    before = count(resumed)
+    time.sleep(0.3)
+    assert count(resumed) > before
+    resumed.kill()

@@ -65,3 +65,34 @@ def test_schema_version_is_checked(tmp_path: Path) -> None:
     s.close()
     with pytest.raises(StoreError, match="schema version 99"):
         Store(tmp_path / "g.sqlite")
+
+
+def test_a_version_1_file_is_migrated(tmp_path: Path) -> None:
+    s = Store(tmp_path / "g.sqlite")
+    s.create_run(RUN, "h")
+    # back to what a version 1 gateway wrote: no bindings, no times, no alignment
+    for table, column in (("runs", "aligned_at"), ("runs", "source_ip"), ("marks", "last_position"),
+                          ("positions", "arrived_at"), ("positions", "delivered_at")):
+        s.db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    s.db.execute("DROP TABLE bindings")
+    s.db.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    s.close()
+    migrated = Store(tmp_path / "g.sqlite")
+    version = migrated.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+    assert version == "2"
+    assert migrated.run("run_1") == RUN
+    migrated.create_run(Run("run_2", "sess", "sbx", None, None, "diverge", None, False, None, "10.88.0.6"), "h2",
+                        "10.88.0.6")
+    bound = migrated.bound_run("10.88.0.6")
+    assert bound is not None and bound.run_id == "run_2" and bound.source_ip == "10.88.0.6"
+
+
+def test_binding_follows_the_latest_registration_and_ends_with_its_run(tmp_path: Path) -> None:
+    s = Store(tmp_path / "g.sqlite")
+    s.create_run(Run("a", "s1", "x", None, None, "diverge", None, False), "ha", "10.88.0.2")
+    s.create_run(Run("b", "s2", "y", None, None, "diverge", None, False), "hb", "10.88.0.2")
+    assert s.bindings() == {"10.88.0.2": "b"}
+    s.end_run("a")  # ending a superseded run leaves the address to its new owner
+    assert s.bindings() == {"10.88.0.2": "b"}
+    s.end_run("b")
+    assert s.bindings() == {} and s.bound_run("10.88.0.2") is None
