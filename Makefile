@@ -29,9 +29,10 @@ $(VENV_E2B250)/.installed: tests/requirements-e2b250.txt
 	@touch $@
 
 up: setup
-	@$(BIN)/keepstate template build base >/dev/null
-	@echo "export E2B_API_URL=http://$(LISTEN) E2B_SANDBOX_URL=http://$(LISTEN) E2B_API_KEY=$$($(BIN)/keepstate keys dev)"
-	@exec $(BIN)/keepstate serve --listen $(LISTEN)
+	@names=$$($(BIN)/python -c "from keepstate.template.definition import load_all; print(' '.join(load_all()))"); \
+	for t in $$names; do $(BIN)/keepstate template build $$t >/dev/null || exit 1; done; \
+	echo "export E2B_API_URL=http://$(LISTEN) E2B_SANDBOX_URL=http://$(LISTEN) E2B_API_KEY=$$($(BIN)/keepstate keys dev)"; \
+	exec $(BIN)/keepstate serve --listen $(LISTEN) --warm $$(echo $$names | tr ' ' ,)
 
 test: setup
 	@bash scripts/test.sh

@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 
-for t in templates/*.toml; do
-  name=$(sed -n 's/^name *= *"\(.*\)"/\1/p' "$t" | head -n1)
+names=$($BIN/python -c "from keepstate.template.definition import load_all; print(' '.join(load_all()))")
+for name in $names; do
   $BIN/keepstate template build "$name" >/dev/null
 done
 
@@ -16,7 +16,7 @@ port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0))
 export KEEPSTATE_TEST_API=http://127.0.0.1:$port
 logs=$KEEPSTATE_TEST_HOME/server.log
 KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
-  --warm "$(ls templates/*.toml | xargs -n1 basename | sed 's/\.toml$//' | paste -sd,)" --reap-on-exit \
+  --warm "$(echo $names | tr ' ' ,)" --reap-on-exit \
   >"$logs" 2>&1 &
 server=$!
 cleanup() {

@@ -66,5 +66,6 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
     except ImportError:
         pass
     click.echo(f"keepstate: serving on http://{config.host}:{config.port} (data in {config.home})", err=True)
+    # auto_decompress=False: the router forwards request bodies as they came (gzip uploads stay gzip).
     web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                access_log=None, handle_signals=True, shutdown_timeout=5)
+                access_log=None, handle_signals=True, shutdown_timeout=5, auto_decompress=False)

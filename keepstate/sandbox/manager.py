@@ -40,6 +40,7 @@ log = logging.getLogger("keepstate.sandbox")
 DEFAULT_TIMEOUT = 300
 MAX_TIMEOUT = 24 * 3600
 AGENT_READY_TIMEOUT = 60.0
+SERVICE_READY_TIMEOUT = 180.0
 METRIC_INTERVAL = 5.0
 _ALPHABET = string.ascii_lowercase + string.digits
 
@@ -200,6 +201,7 @@ class SandboxManager(Checkpointing):
             row.address = handle.endpoint.address
             self.catalog.put_sandbox(row)
             await self._wait_agent(row)
+            await self._wait_services(row, built)
         except BaseException:
             await self._reap(row)
             raise
@@ -241,6 +243,26 @@ class SandboxManager(Checkpointing):
                 raise RuntimeFailure(f"agent of {row.sandbox_id} did not answer within {AGENT_READY_TIMEOUT:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.1)
+
+    async def _wait_services(self, row: SandboxRow, built: builder.Built) -> None:
+        """A sandbox is handed out only once its template's services (e.g. the code interpreter) listen."""
+        try:
+            ports = [s.port for s in load_definition(built.name).services if s.port]
+        except KeepStateError:
+            ports = []
+        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
+        for port in ports:
+            while True:
+                try:
+                    _, writer = await asyncio.wait_for(asyncio.open_connection(row.address, port), timeout=2)
+                    writer.close()
+                    await writer.wait_closed()
+                    break
+                except (OSError, asyncio.TimeoutError):
+                    if time.monotonic() > deadline:
+                        raise RuntimeFailure(f"service port {port} of {row.sandbox_id} did not open within "
+                                             f"{SERVICE_READY_TIMEOUT:.0f}s") from None
+                    await asyncio.sleep(0.1)
 
     async def _init_agent(self, row: SandboxRow, env: dict[str, str], user: str, workdir: str,
                           previous_token: str | None = None, fork: bool = False) -> None:

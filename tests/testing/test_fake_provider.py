@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import aiohttp
 import anthropic
@@ -20,7 +21,7 @@ MSG = [{"role": "user", "content": "one two three"}]
 
 
 def test_public_exports_are_pinned() -> None:
-    assert keepstate.testing.__all__ == ["FakeProvider", "Fault", "Served", "Stats"]
+    assert keepstate.testing.__all__ == ["FakeProvider", "Fault", "Served", "Stats", "fake_provider_in_thread"]
 
 
 async def test_deterministic_answers_and_bill() -> None:
@@ -103,3 +104,16 @@ async def test_module_entry_point_serves_on_the_given_port() -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=20)
+
+
+def test_fake_provider_in_a_thread_serves_synchronous_callers() -> None:
+    with keepstate.testing.fake_provider_in_thread() as fake:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(fake.openai_base_url + "/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            doc = json.load(r)
+        assert doc["choices"][0]["message"]["content"]
+        assert fake.stats().calls == 1
+    with pytest.raises(OSError):  # stopped with the block
+        urllib.request.urlopen(fake.openai_base_url + "/models", timeout=5)
