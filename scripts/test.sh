@@ -33,8 +33,9 @@ export KEEPSTATE_TEST_KEY=$(KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate k
 
 status=0
 $BIN/python -m pytest -n 2 -p no:cacheprovider tests "$@" || status=$?
-echo "== SDK tests again with e2b==2.50.0 (the last release on the v1 routes)"
-.venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini tests/sdk || status=$?
+echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes"
+.venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent \
+  || status=$?
 if [ $status -ne 0 ]; then
   echo "== server log (last 80 lines)"; tail -n 80 "$logs"
 fi

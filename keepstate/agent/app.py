@@ -1,8 +1,9 @@
 """The agent's ASGI application: plain HTTP routes, token checks, and the two Connect services.
 
 Routing and auth live here; the work is in `files_http`, `process_service` and `filesystem_service`.
-Connect machinery (connectrpc, protobuf) is imported on the first RPC so an idle agent in the warm pool starts
-fast and stays small.
+Connect machinery (connectrpc, protobuf) is imported at start-up, before the agent reports healthy: a pooled
+sandbox is then fully warm when it is handed out, and the first command pays no imports (about 11 MB more per
+idle agent).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class AgentApp:
             if message["type"] == "lifespan.startup":
                 REAPER.install(asyncio.get_running_loop())
                 self._start_sudo()
+                self.rpc_apps()
                 if self.settings.template.services:
                     from keepstate.agent.services import Supervisor
 

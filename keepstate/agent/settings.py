@@ -92,6 +92,7 @@ class InitRequest:
     env_vars: dict[str, str]
     default_user: str | None
     default_workdir: str | None
+    identity: dict[str, Any] | None = None  # sandboxId, sessionId and, after a fork, the fork's origin
 
 
 def parse_init(data: Any) -> InitRequest:
@@ -106,12 +107,39 @@ def parse_init(data: Any) -> InitRequest:
             raise SettingsError(f"{key} must be a string")
         return value
 
+    identity = {k: data[k] for k in ("sandboxId", "sessionId", "fork") if data.get(k) is not None}
     return InitRequest(
         access_token=opt_str("accessToken"),
         env_vars=_str_map(data.get("envVars"), "envVars"),
         default_user=opt_str("defaultUser") or None,
         default_workdir=opt_str("defaultWorkdir") or None,
+        identity=identity or None,
     )
+
+
+IDENTITY_FILE = "/run/keepstate/identity.json"
+
+
+def write_identity(identity: dict[str, Any], path: str = IDENTITY_FILE) -> None:
+    """Tell processes inside who they are now: a fork finds a new sandboxId and a `fork` entry here.
+
+    After a fork every copy also mixes fresh entropy into the kernel's pool (gVisor serves /dev/urandom
+    from the host, so this is belt and braces); user-space PRNGs seeded before the fork are the user's to reseed.
+    """
+    import os
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(identity, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        if identity.get("fork"):
+            with open("/dev/urandom", "wb") as r:
+                r.write(os.urandom(64))
+    except OSError:
+        pass  # host mode without /run, or a read-only /run: identity is informative only
 
 
 class SandboxSettings:
@@ -133,3 +161,5 @@ class SandboxSettings:
             self.default_user = init.default_user
         if init.default_workdir is not None:
             self.default_workdir = init.default_workdir
+        if init.identity:
+            write_identity(init.identity)

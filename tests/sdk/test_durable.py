@@ -150,6 +150,9 @@ def test_fork_into_five_diverging_copies_with_lineage(new_sandbox, server) -> No
             assert counter(f) > 0 and ask_socket(f).startswith("count=")
         for i, f in enumerate(forks):
             assert f.files.read("/home/user/branch.txt") == f"fork {i}\n"
+            # a process can tell it was forked, and into which sandbox
+            identity = json.loads(f.files.read("/run/keepstate/identity.json"))
+            assert identity["sandboxId"] == f.sandbox_id and identity["fork"]["parent"] == sbx.sandbox_id
         assert sbx.files.read("/home/user/branch.txt") == "base\n"  # the original is untouched
 
         tree = api(server, f"/sandboxes/{sbx.sandbox_id}/lineage")
