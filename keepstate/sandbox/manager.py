@@ -474,7 +474,16 @@ class SandboxManager(Checkpointing):
                     continue
                 if sample:
                     self.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
+                elif row.sandbox_id in self.live and row.sandbox_id not in self._pausing:
+                    await self._check_alive(row)
             await asyncio.sleep(METRIC_INTERVAL)
+
+    async def _check_alive(self, row: SandboxRow) -> None:
+        """No cgroup figures: the sandbox may have died (OOM kill, crash). If runsc agrees, record it gone."""
+        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+        if not await asyncio.to_thread(self.runtime.is_alive, handle):
+            log.warning("sandbox %s died (its runsc container is gone: out of memory or a crash)", row.sandbox_id)
+            await self._kill(row, "died")
 
     async def _sample(self, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
         handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]

@@ -15,7 +15,9 @@ from keepstate.session import EventLog, EventRef, Lineage
 
 
 def ks(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KEEPSTATE_HOME": str(home)}
+    # Other tests in this worker may have pointed E2B_* at a live server; this CLI must not see one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env["KEEPSTATE_HOME"] = str(home)
     return subprocess.run([sys.executable, "-m", "keepstate.cli.main", "events", *args], capture_output=True,
                           text=True, env=env, timeout=60)
 
