@@ -99,7 +99,6 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
         gw_config.data_dir = config.home
         gateway_app = create_gateway_app(gw_config)
         gateway = gateway_app[GATEWAY]
-        open_ports += (config.gateway_port,)
     manager = SandboxManager(catalog, runtime, recorder=recorder, durable=durable, pool_size=config.pool_size,
                              agent_version=envd_version, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None)

@@ -133,6 +133,9 @@ def install_firewall(open_ports: tuple[int, ...] = ()) -> None:
         if _run("iptables", "-w", "-N", chain, check=False).returncode != 0:
             _run("iptables", "-w", "-F", chain)
     _run("iptables", "-w", "-A", CHAIN, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    # Only metering gateways listen on GATEWAY_IP; one rule serves every server sharing this host
+    # (a per-port rule would be lost when the next server rebuilds the chain).
+    _run("iptables", "-w", "-A", CHAIN, "-d", GATEWAY_IP, "-p", "tcp", "-j", "ACCEPT")
     for port in open_ports:
         _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT")
     _run("iptables", "-w", "-A", CHAIN, "-j", "DROP")

@@ -47,9 +47,11 @@ class Checkpointing:
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
         if self.router is not None:
             await self.router.quiesce(row.sandbox_id, hold=kind != "pause")
+        frozen_from = time.time()
         try:
             image, paused_for = await asyncio.to_thread(
                 self.durable.capture, row, leave_running=True, kind=kind, parent_id=parent_id, event=ref)
+            frozen_until = time.time()
         except Exception as exc:
             self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
             raise
@@ -68,7 +70,7 @@ class Checkpointing:
                  paused_for * 1000, (time.monotonic() - started) * 1000)
         if self.gateway is not None and row.doc.get("gatewayToken"):
             try:
-                self.gateway.mark_checkpoint(session, checkpoint_id)
+                self.gateway.mark_checkpoint(session, checkpoint_id, frozen_from, frozen_until)
             except LookupError as exc:  # no active run: nothing to mark, say so
                 log.warning("gateway mark for checkpoint %s: %s", checkpoint_id, exc)
         return manifest
@@ -120,6 +122,9 @@ class Checkpointing:
         row.template_digest = built.digest
         row.state = "running"
         row.end_at = time.time() + timeout
+        if self.gateway is not None and row.doc.get("gatewayToken"):
+            # Bind the new address before the restored agent can call the gateway.
+            self.register_gateway_run(row)
         self.catalog.put_sandbox(row)
         try:
             await self._wait_agent(row)
@@ -129,9 +134,6 @@ class Checkpointing:
             self.catalog.put_sandbox(row)
             raise
         self.live[row.sandbox_id] = row
-        if self.gateway is not None and row.doc.get("gatewayToken"):
-            self.register_gateway_run(row)
-        self.catalog.put_sandbox(row)
         self.recorder.resumed(row.doc.get("session_id", row.sandbox_id), checkpoint_id, self.host_name,
                               agent_url=f"http://{row.address}:49983", token=row.access_token)
         return row

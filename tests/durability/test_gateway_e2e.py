@@ -98,7 +98,9 @@ def wait_for(what: str, pred: Callable[[], bool], limit: float = 180.0) -> None:
     deadline = time.monotonic() + limit
     while not pred():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
+            # The usual cause: another server's firewall no longer lets sandboxes reach this gateway's port.
+            rules = subprocess.run(["iptables", "-w", "-S", "KEEPSTATE-IN"], capture_output=True, text=True)
+            raise TimeoutError(f"gave up waiting for {what}; sandbox firewall:\n{rules.stdout}{rules.stderr}")
         time.sleep(0.1)
 
 
