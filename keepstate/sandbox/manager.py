@@ -506,7 +506,12 @@ class SandboxManager(Checkpointing):
                 if r.status == 200:
                     m = await r.json()
                     disk_used, disk_total = int(m.get("disk_used", 0)), int(m.get("disk_total", 0))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
+            # The agent does not answer: if runsc says the sandbox is gone (its sentry was OOM-killed), say so.
+            await self._check_alive(row)
+            if row.sandbox_id not in self.live:
+                return None
+        except (aiohttp.ClientError, ValueError):
             pass
         mem_total = min(stats.get("mem_limit", 0), row.memory_mb * 1024 * 1024) or row.memory_mb * 1024 * 1024
         return {
