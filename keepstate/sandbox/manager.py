@@ -223,9 +223,19 @@ class SandboxManager(Checkpointing):
                           f"retry then, or run `keepstate template build {template}` ahead of time")
 
     async def _start_pooled(self, template: str) -> SandboxRow:
+        """Start a sandbox for the pool and initialise its agent with a fresh token and the template's defaults,
+        so that a create that brings no env vars of its own only has to claim it."""
         built = await self._built(template)
         d = built.defaults
-        return await self._start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb), "pooled")
+        row = await self._start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb), "pooled")
+        row.access_token = secrets.token_hex(16)
+        try:
+            await self._init_agent(row, dict(d.env), d.user, d.workdir)
+        except BaseException:
+            await self._reap(row)
+            raise
+        self.catalog.put_sandbox(row)
+        return row
 
     async def _wait_agent(self, row: SandboxRow) -> None:
         assert self._http is not None
@@ -318,7 +328,8 @@ class SandboxManager(Checkpointing):
         now = time.time()
         row.sandbox_id = new_sandbox_id()
         row.state = "running"
-        row.access_token = secrets.token_hex(16)
+        ready_token = row.access_token  # set when the pool initialised it; a cold start has none
+        row.access_token = ready_token or secrets.token_hex(16)
         row.started_at = now
         row.end_at = now + req.timeout
         row.api_key_id = api_key_id
@@ -328,7 +339,10 @@ class SandboxManager(Checkpointing):
             "user": d.user, "workdir": d.workdir, "session_id": row.sandbox_id, "gateway": req.gateway,
         }
         try:
-            await self._init_agent(row, self._sandbox_env(row), d.user, d.workdir)
+            env = self._sandbox_env(row)
+            if not ready_token or env != dict(d.env):
+                # Something the pool could not know: this request's env vars, or its gateway token.
+                await self._init_agent(row, env, d.user, d.workdir, previous_token=ready_token or None)
             self.catalog.rename_sandbox(old_id, row)
         except BaseException:
             await self._reap(row, catalog_id=old_id)
