@@ -64,6 +64,39 @@ def claim_slot(slot: int) -> bool:
     return True
 
 
+def record_slot_owner(slot: int, home: str, name: str) -> None:
+    """Note whose sandbox holds the slot, so a server can reap sandboxes of a data directory that is gone."""
+    import json
+
+    tmp = f"{SLOTS_DIR}/.{slot}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"home": home, "name": name, "pid": os.getpid()}, f)
+    os.replace(tmp, f"{SLOTS_DIR}/{slot}")
+
+
+def orphaned_slots() -> list[tuple[int, str]]:
+    """Slots whose owning data directory no longer exists: (slot, runtime name) to reap."""
+    import json
+
+    out = []
+    try:
+        names = os.listdir(SLOTS_DIR)
+    except FileNotFoundError:
+        return out
+    for entry in names:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{SLOTS_DIR}/{entry}") as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue  # a bare claim (just being started) or unreadable: leave it
+        if isinstance(owner, dict) and owner.get("home") and owner.get("name") \
+                and not os.path.exists(os.path.join(owner["home"], "catalog.sqlite")):
+            out.append((int(entry), str(owner["name"])))
+    return out
+
+
 def release_slot(slot: int) -> None:
     try:
         os.unlink(f"{SLOTS_DIR}/{slot}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from keepstate.db.catalog import SandboxRow
 from keepstate.errors import BadRequest, Conflict, NotFound, Unsupported
+from keepstate.runtime import network
 from keepstate.runtime.base import Limits
 from keepstate.store import Manifest
 from keepstate.store.ids import new_checkpoint_id
@@ -119,6 +120,7 @@ class Checkpointing:
             self._release_slot(slot)
             raise
         row.runtime_name, row.slot, row.address = handle.name, slot, handle.endpoint.address
+        network.record_slot_owner(slot, str(self.catalog.path.parent), handle.name)
         row.template_digest = built.digest
         row.state = "running"
         row.end_at = time.time() + timeout
@@ -226,6 +228,7 @@ class Checkpointing:
         if self.gateway is not None and parent.doc.get("gatewayToken"):
             self.register_gateway_run(row, parent_session=parent_session)
         self.catalog.put_sandbox(row)
+        network.record_slot_owner(slot, str(self.catalog.path.parent), handle.name)
         try:
             await self._wait_agent(row)
             await self._init_agent(row, self._sandbox_env(row), row.doc.get("user", "user"),

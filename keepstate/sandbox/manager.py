@@ -137,7 +137,19 @@ class SandboxManager(Checkpointing):
         if self._http:
             await self._http.close()
 
+    async def _sweep_orphans(self) -> None:
+        """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
+        for slot, name in await asyncio.to_thread(network.orphaned_slots):
+            log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
+            handle = Handle(name=name, endpoint=None, slot=slot)  # type: ignore[arg-type]
+            try:
+                await asyncio.to_thread(self.runtime.destroy, handle)
+            except Exception as exc:
+                log.warning("destroy of orphan %s failed: %s", name, exc)
+            network.release_slot(slot)
+
     async def _adopt(self) -> None:
+        await self._sweep_orphans()
         rows = self.catalog.sandboxes()
         alive = await asyncio.to_thread(self.runtime.running_names)
         latest: dict[str, str | None] = {}
@@ -196,6 +208,7 @@ class SandboxManager(Checkpointing):
                          end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
         # Recorded before it exists, so a crash in between leaves a row to reap, not a stray sandbox.
         self.catalog.put_sandbox(row)
+        network.record_slot_owner(slot, str(self.catalog.path.parent), name)
         try:
             handle = await asyncio.to_thread(self.runtime.create, spec, slot)
             row.address = handle.endpoint.address

@@ -26,6 +26,7 @@ class Pool:
         self._starting = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._inflight: asyncio.Future[SandboxRow] | None = None
         self.failures = 0
 
     def adopt(self, row: SandboxRow) -> None:
@@ -49,6 +50,8 @@ class Pool:
             self._task = asyncio.get_running_loop().create_task(self._fill(), name=f"pool-{self.key}")
 
     async def stop(self) -> None:
+        """Stop filling. A start already under way is let finish (cancelling it mid-`runsc run` would leave a
+        sandbox nobody knows about); what it produced joins the pool, where the caller can drain it."""
         if self._task:
             self._task.cancel()
             try:
@@ -56,18 +59,27 @@ class Pool:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        if self._inflight is not None:
+            try:
+                self._ready.append(await self._inflight)
+            except Exception:
+                pass
+            self._inflight = None
 
     async def _fill(self) -> None:
         while True:
             while len(self._ready) + self._starting < self.size:
                 self._starting += 1
                 try:
-                    row = await self._start()
+                    self._inflight = asyncio.ensure_future(self._start())
+                    row = await asyncio.shield(self._inflight)
+                    self._inflight = None
                     self._ready.append(row)
                     self.failures = 0
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # keep serving; back off and try again
+                    self._inflight = None
                     self.failures += 1
                     log.warning("pool %s: start failed (%s)", self.key, exc)
                     await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.failures, 6)))
