@@ -92,8 +92,11 @@ class Checkpointing:
                 raise
             old = SandboxRow(**{**row.__dict__})
             row.state = "paused"
+            # The stopped instance is torn down in the background; remember it until then, so a server
+            # killed meanwhile reaps it when it starts again.
             row.doc = {**row.doc, "checkpoint_id": manifest.checkpoint_id,
-                       "remaining": max(0.0, row.end_at - time.time())}
+                       "remaining": max(0.0, row.end_at - time.time()),
+                       "retired": {"name": row.runtime_name, "slot": row.slot}}
             row.runtime_name, row.address = "", ""
             self.catalog.put_sandbox(row)
             self.live.pop(sandbox_id, None)
@@ -102,10 +105,15 @@ class Checkpointing:
             row.slot = -1
             self.catalog.put_sandbox(row)
             # The runtime side goes away in the background; the checkpoint is already safe in the store.
-            task = asyncio.get_running_loop().create_task(self._reap(old, keep_row=True))
+            task = asyncio.get_running_loop().create_task(self._retire(row, old))
             self._reaping.add(task)
             task.add_done_callback(self._reaping.discard)
             return manifest.checkpoint_id
+
+    async def _retire(self: SandboxManager, row: SandboxRow, old: SandboxRow) -> None:
+        await self._reap(old, keep_row=True)
+        if row.doc.pop("retired", None) is not None and row.state == "paused":
+            self.catalog.put_sandbox(row)
 
     async def _resume(self: SandboxManager, row: SandboxRow, timeout: int) -> SandboxRow:
         checkpoint_id = row.doc["checkpoint_id"]

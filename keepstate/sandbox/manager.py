@@ -161,6 +161,11 @@ class SandboxManager(Checkpointing):
                     b = None
                 latest[row.template_id] = b.digest if b else None
         for row in rows:
+            retired = row.doc.pop("retired", None)
+            if retired:  # an instance stopped by a pause whose teardown a crash interrupted
+                gone = SandboxRow(**{**row.__dict__, "runtime_name": retired["name"], "slot": retired["slot"]})
+                await self._reap(gone, keep_row=True)
+                self.catalog.put_sandbox(row)
             self._slots.add(row.slot)
             stale_pool = row.state == "pooled" and latest.get(row.template_id) != row.template_digest
             if row.state in ("running", "pooled") and row.runtime_name in alive and not stale_pool:

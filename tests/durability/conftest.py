@@ -46,6 +46,36 @@ class Fleet:
                     srv.proc.wait(timeout=60)
                 except Exception:
                     srv.proc.kill()
+        # A server these tests SIGKILLed may have left sandboxes behind (that is the point of the tests): a
+        # server started on each surviving data directory adopts them, and --reap-on-exit destroys them.
+        for home in {srv.home for srv in self.servers}:
+            if not os.path.exists(os.path.join(home, "catalog.sqlite")):
+                continue
+            reaper = start_server(home, pool=0, extra=("--reap-on-exit", "--warm", ""))
+            assert reaper.proc is not None
+            reaper.proc.terminate()
+            reaper.proc.wait(timeout=120)
+        _destroy_leftovers({srv.home for srv in self.servers})
+
+
+def _destroy_leftovers(homes: set[str]) -> None:
+    """Last resort after SIGKILL tests: any sandbox still holding a slot for one of our data directories."""
+    import json
+
+    from keepstate.runtime import network
+    from keepstate.runtime.base import Handle
+    from keepstate.runtime.gvisor import GVisorRuntime
+
+    slots = Path(network.SLOTS_DIR)
+    for entry in slots.glob("[0-9]*"):
+        try:
+            owner = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and owner.get("home") in homes:
+            runtime = GVisorRuntime(Path(owner["home"]) / "sandboxes")
+            runtime.destroy(Handle(owner["name"], None, int(entry.name)))  # type: ignore[arg-type]
+            network.release_slot(int(entry.name))
 
 
 @pytest.fixture
