@@ -24,7 +24,7 @@ from typing import Any
 import keepstate
 
 from . import network
-from .base import Endpoint, Handle, Limits, RuntimeFailure, SandboxSpec
+from .base import Endpoint, Handle, RuntimeFailure, SandboxSpec
 
 AGENT_PORT = 49983
 CGROUP_PARENT = "keepstate"

@@ -13,6 +13,7 @@ crash at any point leaves either the running sandbox (catalog: running) or the c
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keepstate.db.catalog import SandboxRow
-from keepstate.errors import BadRequest, Conflict, NotFound, Unsupported
+from keepstate.errors import BadRequest, Conflict, Unsupported
 from keepstate.runtime import network
 from keepstate.runtime.base import Limits
 from keepstate.store import Manifest
@@ -153,8 +154,6 @@ class Checkpointing:
         manifest = self.durable.latest_for_session(sandbox_id)
         if manifest is None:
             return None
-        import json
-
         info: dict[str, Any] = json.loads(manifest.meta.labels["sandbox"])
         doc = dict(info["doc"])
         doc["checkpoint_id"] = manifest.checkpoint_id
@@ -259,9 +258,3 @@ class Checkpointing:
         if lock is None:
             lock = self._locks[sandbox_id] = asyncio.Lock()
         return lock
-
-
-def check_not_found(row: SandboxRow | None, sandbox_id: str) -> SandboxRow:
-    if row is None:
-        raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-    return row

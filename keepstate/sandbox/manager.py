@@ -11,6 +11,7 @@ runtime's own state, and reaps only what is really gone.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import string
@@ -373,8 +374,6 @@ class SandboxManager(Checkpointing):
     async def _create_from_snapshot(self, snap: dict[str, Any], req: CreateRequest,
                                     api_key_id: str | None) -> SandboxRow:
         manifest = await asyncio.to_thread(self.durable.manifest, snap["checkpoint_id"])
-        import json
-
         info = json.loads(manifest.meta.labels["sandbox"])
         parent = SandboxRow(sandbox_id=snap["sandbox_id"], state="running", template_id=info["template_id"],
                             template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",

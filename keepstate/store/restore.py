@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
