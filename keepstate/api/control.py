@@ -201,7 +201,8 @@ async def fork(request: web.Request) -> web.Response:
             out.append({"sandbox": schemas.sandbox(r["row"], envd_version(request))})
         else:
             exc = r["error"]
-            body_ = exc.body() if isinstance(exc, KeepStateError) else {"code": 500, "message": str(exc)}
+            body_ = exc.body() if isinstance(exc, KeepStateError) else \
+                {"code": 500, "message": f"the fork could not be started: {exc!r}"}
             out.append({"error": body_})
     return web.json_response(out, status=201)
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keepstate.sandbox")
 MAX_FORKS = 20
+RESTORED_AGENT_TIMEOUT = 20.0  # a restored agent answers within a second; waiting longer only delays a retry
 
 
 class Checkpointing:
@@ -49,6 +50,9 @@ class Checkpointing:
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
         if self.router is not None:
             await self.router.quiesce(row.sandbox_id, hold=kind != "pause")
+            # Let the sandbox's netstack see the closes before it is frozen: a connection still established
+            # in the image wedges the agent after a restore.
+            await asyncio.sleep(0.05)
         frozen_from = time.time()
         try:
             image, paused_for = await asyncio.to_thread(
@@ -138,7 +142,7 @@ class Checkpointing:
             self.register_gateway_run(row)
         self.catalog.put_sandbox(row)
         try:
-            await self._wait_agent(row)
+            await self._wait_agent(row, RESTORED_AGENT_TIMEOUT)
         except BaseException:
             await self._reap(row, keep_row=True)
             row.state, row.runtime_name, row.slot = "paused", "", -1
@@ -204,9 +208,19 @@ class Checkpointing:
         """Start `count` new sandboxes from one checkpoint; each result is a row or an error."""
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
+        async def one() -> SandboxRow:
+            try:
+                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+            except Exception as exc:  # one more try: a restored agent now and then fails to answer
+                log.warning("restore of %s for a new sandbox failed (%r); trying once more",
+                            manifest.checkpoint_id, exc)
+                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+
         try:
-            results = await asyncio.gather(*(self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
-                                             for _ in range(count)), return_exceptions=True)
+            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    log.error("restore of %s for a new sandbox failed: %r", manifest.checkpoint_id, r)
         finally:
             shutil.rmtree(image, ignore_errors=True)
         return [{"row": r} if isinstance(r, SandboxRow) else {"error": r} for r in results]
@@ -237,7 +251,7 @@ class Checkpointing:
         self.catalog.put_sandbox(row)
         network.record_slot_owner(slot, str(self.catalog.path.parent), handle.name)
         try:
-            await self._wait_agent(row)
+            await self._wait_agent(row, RESTORED_AGENT_TIMEOUT)
             await self._init_agent(row, self._sandbox_env(row), row.doc.get("user", "user"),
                                    row.doc.get("workdir", "/home/user"), previous_token=parent.access_token,
                                    fork=True)

@@ -256,9 +256,9 @@ class SandboxManager(Checkpointing):
         self.catalog.put_sandbox(row)
         return row
 
-    async def _wait_agent(self, row: SandboxRow) -> None:
+    async def _wait_agent(self, row: SandboxRow, timeout: float = AGENT_READY_TIMEOUT) -> None:
         assert self._http is not None
-        deadline = time.monotonic() + AGENT_READY_TIMEOUT
+        deadline = time.monotonic() + timeout
         url = f"http://{row.address}:49983/health"
         delay = 0.005
         while True:
@@ -269,7 +269,7 @@ class SandboxManager(Checkpointing):
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeFailure(f"agent of {row.sandbox_id} did not answer within {AGENT_READY_TIMEOUT:.0f}s")
+                raise RuntimeFailure(f"agent of {row.sandbox_id} did not answer within {timeout:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.1)
 
