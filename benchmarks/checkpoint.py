@@ -71,7 +71,7 @@ def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
     rt = GVisorRuntime(srv.home / "sandboxes")
     image = work / "raw-image"
     t = time.perf_counter()
-    rt.checkpoint(Handle(row_.runtime_name, None, row_.slot), image, leave_running=True)  # type: ignore[arg-type]
+    rt.checkpoint(Handle(row_.runtime_name, row_.slot), image, leave_running=True)
     ckpt = time.perf_counter() - t
     b = latest("base")
     spec = SandboxSpec(name=f"bench-raw-{os.getpid()}", template=TemplateRoot("base", b.digest, b.rootfs),

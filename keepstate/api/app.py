@@ -142,7 +142,6 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
     gateway_runner: list[web.AppRunner] = []
 
     async def on_startup(app: web.Application) -> None:
-        await router.start()
         await poller.start()
         if gateway_app is not None:
             await asyncio.to_thread(network.ensure_gateway_address)

@@ -39,6 +39,14 @@ async def json_body(request: web.Request, required: bool = True) -> Any:
         raise BadRequest(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
 
 
+async def object_body(request: web.Request) -> dict[str, Any]:
+    """An optional JSON object body: absent means {}."""
+    body = await json_body(request, required=False) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
 def sid(request: web.Request) -> str:
     value = request.match_info["sandbox_id"]
     # The SDK may send "<id>-<clientID>" from very old versions; the ID is the part before '-'.
@@ -138,9 +146,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/pause")
 async def pause(request: web.Request) -> web.Response:
-    body = await json_body(request, required=False) or {}
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = await object_body(request)
     memory = body.get("memory", True)
     if not isinstance(memory, bool):
         raise BadRequest("`memory` must be a boolean")
@@ -150,9 +156,7 @@ async def pause(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/snapshots")
 async def create_snapshot(request: web.Request) -> web.Response:
-    body = await json_body(request, required=False) or {}
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = await object_body(request)
     if body.get("memory") is False:
         raise Unsupported("filesystem-only snapshots (memory: false) are not supported by the gVisor runtime")
     info = await manager(request).snapshot(sid(request), body.get("name"))
@@ -189,11 +193,9 @@ async def delete_snapshot(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/fork")
 async def fork(request: web.Request) -> web.Response:
-    body = await json_body(request, required=False) or {}
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = await object_body(request)
     count = body.get("count", 1)
-    timeout = schemas.parse_timeout_body({"timeout": body["timeout"]} if "timeout" in body else {}, required=False)
+    timeout = schemas.parse_timeout_body(body, required=False)
     results = await manager(request).fork(sid(request), count, timeout)
     out = []
     for r in results:

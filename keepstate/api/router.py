@@ -74,9 +74,6 @@ class Router:
         manager.kill_listeners.append(self.abort)
         manager.router = self
 
-    async def start(self) -> None:
-        pass
-
     async def stop(self) -> None:
         for client in list(self._clients.values()):
             await client.close()
@@ -92,11 +89,15 @@ class Router:
             )
         return client
 
-    def abort(self, sandbox_id: str) -> None:
-        """Drop every in-flight stream of a sandbox that was killed, paused or timed out."""
+    def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
+        """Cut every in-flight stream of a sandbox; hand back its connection pool for closing."""
         for transport in list(self._inflight.pop(sandbox_id, ())):
             transport.close()
-        client = self._clients.pop(sandbox_id, None)
+        return self._clients.pop(sandbox_id, None)
+
+    def abort(self, sandbox_id: str) -> None:
+        """Drop every in-flight stream of a sandbox that was killed, paused or timed out."""
+        client = self._drop(sandbox_id)
         if client is not None:
             asyncio.get_running_loop().create_task(client.close())
 
@@ -107,9 +108,7 @@ class Router:
         """
         if hold:
             self._holds.setdefault(sandbox_id, asyncio.Event())
-        for transport in list(self._inflight.pop(sandbox_id, ())):
-            transport.close()
-        client = self._clients.pop(sandbox_id, None)
+        client = self._drop(sandbox_id)
         if client is not None:
             await client.close()
 

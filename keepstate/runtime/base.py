@@ -6,7 +6,7 @@ operations later without the API, the store or the agent changing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -53,14 +53,14 @@ class Endpoint:
         return f"http://{self.address}:{port or self.agent_port}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Handle:
-    """A running sandbox as the runtime knows it; persisted so a new server can re-adopt it."""
+    """A sandbox as the runtime knows it: its name and network slot, which the catalog persists so a new
+    server can re-adopt it. `endpoint` is filled in by create and restore."""
 
     name: str
-    endpoint: Endpoint
     slot: int
-    extra: dict[str, str] = field(default_factory=dict)
+    endpoint: Endpoint | None = None
 
 
 class RuntimeFailure(Exception):
@@ -70,19 +70,22 @@ class RuntimeFailure(Exception):
 class Runtime(Protocol):
     kind: str
 
-    def create(self, spec: SandboxSpec) -> Handle:
-        """Start a sandbox and return once its root process runs (not yet its agent)."""
+    def create(self, spec: SandboxSpec, slot: int) -> Handle:
+        """Start a sandbox in network slot `slot`; return once its root process runs (not yet its agent)."""
 
     def is_alive(self, handle: Handle) -> bool: ...
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         """Write a consistent image of memory, processes and files into image_dir."""
 
-    def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
-        """Start a new sandbox from an image written by checkpoint()."""
+    def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
+        """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""
 
     def destroy(self, handle: Handle) -> None:
         """Stop the sandbox and release everything it held; idempotent."""
 
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
         """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit."""
+
+    def running_names(self) -> set[str]:
+        """Names of every sandbox of this runtime that is running on the host (for re-adoption)."""

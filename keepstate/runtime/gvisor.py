@@ -138,7 +138,7 @@ class GVisorRuntime:
         return bundle
 
     def _handle(self, spec: SandboxSpec, link: network.Link) -> Handle:
-        return Handle(name=spec.name, endpoint=Endpoint(link.sandbox_ip, AGENT_PORT), slot=link.slot)
+        return Handle(spec.name, link.slot, Endpoint(link.sandbox_ip, AGENT_PORT))
 
     def _fail(self, what: str, name: str, proc: subprocess.CompletedProcess[str]) -> RuntimeFailure:
         log = self._dir(name) / "runsc.log"

@@ -18,6 +18,7 @@ import logging
 import secrets
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +56,7 @@ class Checkpointing:
             await asyncio.sleep(0.05)
         frozen_from = time.time()
         try:
-            image, paused_for = await asyncio.to_thread(
-                self.durable.capture, row, leave_running=True, kind=kind, parent_id=parent_id, event=ref)
+            image, paused_for = await asyncio.to_thread(self.durable.capture, row)
             frozen_until = time.time()
         except Exception as exc:
             self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
@@ -95,24 +95,19 @@ class Checkpointing:
             except BaseException:
                 self._pausing.discard(sandbox_id)
                 raise
-            old = SandboxRow(**{**row.__dict__})
+            old = replace(row)
             row.state = "paused"
             # The stopped instance is torn down in the background; remember it until then, so a server
             # killed meanwhile reaps it when it starts again.
             row.doc = {**row.doc, "checkpoint_id": manifest.checkpoint_id,
-                       "remaining": max(0.0, row.end_at - time.time()),
                        "retired": {"name": row.runtime_name, "slot": row.slot}}
-            row.runtime_name, row.address = "", ""
+            row.runtime_name, row.address, row.slot = "", "", -1
             self.catalog.put_sandbox(row)
             self.live.pop(sandbox_id, None)
             self._pausing.discard(sandbox_id)
             self.recorder.paused(row.doc.get("session_id", sandbox_id), manifest.checkpoint_id, True)
-            row.slot = -1
-            self.catalog.put_sandbox(row)
-            # The runtime side goes away in the background; the checkpoint is already safe in the store.
-            task = asyncio.get_running_loop().create_task(self._retire(row, old))
-            self._reaping.add(task)
-            task.add_done_callback(self._reaping.discard)
+            # The checkpoint is already safe in the store.
+            self._in_background(self._retire(row, old))
             return manifest.checkpoint_id
 
     async def _retire(self: SandboxManager, row: SandboxRow, old: SandboxRow) -> None:
@@ -132,6 +127,7 @@ class Checkpointing:
         except BaseException:
             self._release_slot(slot)
             raise
+        assert handle.endpoint is not None
         row.runtime_name, row.slot, row.address = handle.name, slot, handle.endpoint.address
         network.record_slot_owner(slot, str(self.catalog.path.parent), handle.name)
         row.template_digest = built.digest
@@ -237,6 +233,7 @@ class Checkpointing:
         now = time.time()
         from .manager import new_sandbox_id
 
+        assert handle.endpoint is not None
         child_id = new_sandbox_id()
         row = SandboxRow(sandbox_id=child_id, state="running", template_id=parent.template_id,
                          template_digest=built.digest, runtime_name=handle.name, slot=slot,

@@ -58,13 +58,6 @@ class Captured:
     ingest_seconds: float
 
 
-def _kind(name: str) -> str:
-    # gVisor writes a memory file's committed pages in allocation order, so between two checkpoints the same
-    # pages move by whole pages; fixed 64 KiB blocks would then miss almost everything. Content-defined chunks
-    # follow the content wherever it moved (measured: see benchmarks/checkpoint.py).
-    return "file"
-
-
 class Durability:
     def __init__(self, home: Path, runtime: GVisorRuntime, store_url: str | None = None) -> None:
         self.home = home
@@ -78,15 +71,17 @@ class Durability:
         self.cpu_features = tuple(f for f in _ISA_FLAGS if f in flags)
 
     # -- capture -----------------------------------------------------------------------
-    def capture(self, row: SandboxRow, *, leave_running: bool, kind: str, parent_id: str | None,
-                event: EventRef | None) -> tuple[Path, float]:
-        """Run `runsc checkpoint` into a fresh image folder; returns it and the pause time."""
+    def capture(self, row: SandboxRow) -> tuple[Path, float]:
+        """Run `runsc checkpoint` into a fresh image folder; returns it and the pause time.
+
+        The sandbox always keeps running: a pause stops it only once the checkpoint is published.
+        """
         image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self.images))
-        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
+        handle = Handle(row.runtime_name, row.slot)
         started = time.monotonic()
         try:
             try:
-                self.runtime.checkpoint(handle, image, leave_running=leave_running)
+                self.runtime.checkpoint(handle, image, leave_running=True)
             except RuntimeFailure as first:
                 # runsc 20240729 now and then fails a checkpoint of a busy sandbox; it keeps running, so one
                 # more try is safe. The first failure is logged in full.
@@ -94,22 +89,24 @@ class Durability:
                 shutil.rmtree(image, ignore_errors=True)
                 image.mkdir()
                 time.sleep(0.2)
-                self.runtime.checkpoint(handle, image, leave_running=leave_running)
+                self.runtime.checkpoint(handle, image, leave_running=True)
         except BaseException:
             shutil.rmtree(image, ignore_errors=True)
             raise
         return image, time.monotonic() - started
 
     def ingest(self, row: SandboxRow, image: Path, *, kind: str, parent_id: str | None,
-               event: EventRef | None, checkpoint_id: str | None = None) -> Manifest:
-        files = [ImageFile(p.name, p, _kind(p.name)) for p in sorted(image.iterdir()) if p.is_file()]
+               event: EventRef | None, checkpoint_id: str) -> Manifest:
+        # Every image file, memory included, gets content-defined chunks: gVisor writes a memory file's
+        # committed pages in allocation order, so between two checkpoints the same pages move by whole pages
+        # and fixed blocks would miss almost all of them (measured: benchmarks/checkpoint.py).
+        files = [ImageFile(p.name, p, "file") for p in sorted(image.iterdir()) if p.is_file()]
         labels = {"kind": kind, "sandbox": json.dumps(sandbox_doc(row), sort_keys=True)}
-        extra: dict[str, Any] = {"checkpoint_id": checkpoint_id} if checkpoint_id else {}
         meta = CheckpointMeta(
-            session_id=row.doc.get("session_id", row.sandbox_id), parent_id=parent_id,
+            session_id=row.doc.get("session_id", row.sandbox_id), checkpoint_id=checkpoint_id, parent_id=parent_id,
             template_id=row.template_id, template_digest=row.template_digest, runsc_release=self.release,
             cpu_features=self.cpu_features, sizes={"memory_mb": row.memory_mb, "cpu_millis": int(row.cpu * 1000)},
-            event=event, labels=labels, **extra,
+            event=event, labels=labels,
         )
         try:
             return self.repo.write_checkpoint(files, meta)

@@ -17,8 +17,8 @@ import secrets
 import string
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -44,6 +44,11 @@ AGENT_READY_TIMEOUT = 60.0
 SERVICE_READY_TIMEOUT = 180.0
 METRIC_INTERVAL = 5.0
 _ALPHABET = string.ascii_lowercase + string.digits
+
+
+def handle_of(row: SandboxRow) -> Handle:
+    """What the runtime needs to act on a sandbox: its runtime name and slot."""
+    return Handle(row.runtime_name, row.slot)
 
 
 def new_sandbox_id() -> str:
@@ -114,7 +119,7 @@ class SandboxManager(Checkpointing):
             except KeepStateError:
                 built = None
             if built is not None:
-                self._pool_for(built).start()
+                self._pool(built.digest, built.name).start()
 
     async def stop(self, reap: bool = False) -> None:
         """Stop our loops; sandboxes and pools keep running for the next server to adopt.
@@ -142,9 +147,8 @@ class SandboxManager(Checkpointing):
         """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
         for slot, name in await asyncio.to_thread(network.orphaned_slots):
             log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
-            handle = Handle(name=name, endpoint=None, slot=slot)  # type: ignore[arg-type]
             try:
-                await asyncio.to_thread(self.runtime.destroy, handle)
+                await asyncio.to_thread(self.runtime.destroy, Handle(name, slot))
             except Exception as exc:
                 log.warning("destroy of orphan %s failed: %s", name, exc)
             network.release_slot(slot)
@@ -164,7 +168,7 @@ class SandboxManager(Checkpointing):
         for row in rows:
             retired = row.doc.pop("retired", None)
             if retired:  # an instance stopped by a pause whose teardown a crash interrupted
-                gone = SandboxRow(**{**row.__dict__, "runtime_name": retired["name"], "slot": retired["slot"]})
+                gone = replace(row, runtime_name=retired["name"], slot=retired["slot"])
                 await self._reap(gone, keep_row=True)
                 self.catalog.put_sandbox(row)
             self._slots.add(row.slot)
@@ -173,26 +177,18 @@ class SandboxManager(Checkpointing):
                 if row.state == "running":
                     self.live[row.sandbox_id] = row
                 else:
-                    built = builder.Built(row.template_id, "", row.template_digest, Path(), None, 0)  # type: ignore[arg-type]
-                    self._pool_key_adopt(built, row)
+                    self._pool(row.template_digest, row.template_id).adopt(row)
                 log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
             elif row.state in ("running", "pooled"):
                 log.warning("sandbox %s is gone; reaping", row.sandbox_id)
                 await self._reap(row)
 
-    def _pool_key_adopt(self, built: builder.Built, row: SandboxRow) -> None:
-        pool = self.pools.get(row.template_digest)
+    def _pool(self, digest: str, template: str) -> Pool:
+        """The warm pool of one template build (keyed by its digest: a rebuilt template gets a new pool)."""
+        pool = self.pools.get(digest)
         if pool is None:
-            pool = self.pools[row.template_digest] = Pool(row.template_digest, self.pool_size,
-                                                          lambda: self._start_pooled(row.template_id),
-                                                          template=row.template_id)
-        pool.adopt(row)
-
-    def _pool_for(self, built: builder.Built) -> Pool:
-        pool = self.pools.get(built.digest)
-        if pool is None:
-            pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
-                                                   lambda: self._start_pooled(built.name), template=built.name)
+            pool = self.pools[digest] = Pool(digest, self.pool_size, lambda: self._start_pooled(template),
+                                             template=template)
         return pool
 
     # -- starting sandboxes ---------------------------------------------------------
@@ -217,6 +213,7 @@ class SandboxManager(Checkpointing):
         network.record_slot_owner(slot, str(self.catalog.path.parent), name)
         try:
             handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+            assert handle.endpoint is not None
             row.address = handle.endpoint.address
             self.catalog.put_sandbox(row)
             await self._wait_agent(row)
@@ -338,7 +335,7 @@ class SandboxManager(Checkpointing):
         built = await self._built(req.template_id)
         d = built.defaults
         limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
-        pool = self._pool_for(built)
+        pool = self._pool(built.digest, built.name)
         pool.start()
         row = pool.take() if limits == Limits(cpu=d.cpu, memory_mb=d.memory_mb) else None
         if row is None:
@@ -395,7 +392,7 @@ class SandboxManager(Checkpointing):
         return row
 
     def listed(self) -> list[SandboxRow]:
-        return [r for r in self.catalog.sandboxes(("running", "paused"))]
+        return self.catalog.sandboxes(("running", "paused"))
 
     def route(self, sandbox_id: str) -> SandboxRow | None:
         row = self.live.get(sandbox_id)
@@ -446,7 +443,11 @@ class SandboxManager(Checkpointing):
         for listener in self.kill_listeners:
             listener(row.sandbox_id)
         # Teardown takes a second or two; the sandbox is already unreachable, so do it in the background.
-        task = asyncio.get_running_loop().create_task(self._reap(row))
+        self._in_background(self._reap(row))
+
+    def _in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
+        """Run a teardown after the caller has answered; stop(reap=True) waits for every one of them."""
+        task = asyncio.get_running_loop().create_task(teardown)
         self._reaping.add(task)
         task.add_done_callback(self._reaping.discard)
 
@@ -457,9 +458,8 @@ class SandboxManager(Checkpointing):
     async def _reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
         """Destroy the runtime side of a sandbox; drop its catalog row unless keep_row (paused)."""
         if row.runtime_name:
-            handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
             try:
-                await asyncio.to_thread(self.runtime.destroy, handle)
+                await asyncio.to_thread(self.runtime.destroy, handle_of(row))
             except Exception as exc:
                 log.warning("destroy of %s failed: %s", row.runtime_name, exc)
         if not keep_row:
@@ -511,14 +511,12 @@ class SandboxManager(Checkpointing):
 
     async def _check_alive(self, row: SandboxRow) -> None:
         """No cgroup figures: the sandbox may have died (OOM kill, crash). If runsc agrees, record it gone."""
-        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
-        if not await asyncio.to_thread(self.runtime.is_alive, handle):
+        if not await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
             log.warning("sandbox %s died (its runsc container is gone: out of memory or a crash)", row.sandbox_id)
             await self._kill(row, "died")
 
     async def _sample(self, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
-        handle = Handle(name=row.runtime_name, endpoint=None, slot=row.slot)  # type: ignore[arg-type]
-        stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle)
+        stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle_of(row))
         if not stats:
             return None
         now = time.time()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sdk.sdkharness import KEEPSTATE, TEMPLATE_CACHE, Server, make_key, start_server  # noqa: F401
+from tests.sdk.sdkharness import TEMPLATE_CACHE, Server, make_key, start_server
 from tests.store.conftest import s3_server  # noqa: F401  (a real SeaweedFS on loopback)
 
 
@@ -74,7 +74,7 @@ def _destroy_leftovers(homes: set[str]) -> None:
             continue
         if isinstance(owner, dict) and owner.get("home") in homes:
             runtime = GVisorRuntime(Path(owner["home"]) / "sandboxes")
-            runtime.destroy(Handle(owner["name"], None, int(entry.name)))  # type: ignore[arg-type]
+            runtime.destroy(Handle(owner["name"], int(entry.name)))
             network.release_slot(int(entry.name))
 
 
