@@ -146,7 +146,7 @@ class GVisorRuntime:
         if log.exists():
             tail = log.read_text(errors="replace")[-800:]
         return RuntimeFailure(f"runsc {what} of {name} failed ({proc.returncode}): "
-                              f"{(proc.stderr or '').strip()[-800:]} {tail}".strip())
+                              f"{_gist(proc.stderr or '')} {_gist(tail)}".strip())
 
     # -- Runtime -------------------------------------------------------------------
     def create(self, spec: SandboxSpec, slot: int) -> Handle:
@@ -180,7 +180,8 @@ class GVisorRuntime:
             args.append("--leave-running")
         proc = self._runsc(*args, handle.name, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeFailure(f"runsc checkpoint of {handle.name} failed: {proc.stderr.strip()[-800:]}")
+            raise RuntimeFailure(f"runsc checkpoint of {handle.name} failed ({proc.returncode}): "
+                                 f"{_gist(proc.stderr)}")
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         link = network.link_for(slot)
@@ -252,3 +253,15 @@ def host_cpu_flags() -> list[str]:
 
 def have_runsc() -> bool:
     return shutil.which("runsc") is not None and os.geteuid() == 0
+
+
+def _gist(text: str, limit: int = 800) -> str:
+    """What runsc said, shortened: for a Go panic its message (the stack under it names only runsc's
+    internals), else the last `limit` characters."""
+    text = text.strip()
+    cut = text.find("\ngoroutine ")
+    if cut > 0:
+        text = text[:cut].strip()
+        return text[:limit]
+    return text[-limit:]
+

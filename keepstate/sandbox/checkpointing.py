@@ -13,6 +13,7 @@ crash at any point leaves either the running sandbox (catalog: running) or the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -20,6 +21,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from keepstate.db.catalog import SandboxRow
@@ -49,21 +51,14 @@ class Checkpointing:
         parent_id = row.doc.get("checkpoint_id")
         checkpoint_id = new_checkpoint_id()
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
-        if self.router is not None:
-            await self.router.quiesce(row.sandbox_id, hold=kind != "pause")
-            # Let the sandbox's netstack see the closes before it is frozen: a connection still established
-            # in the image wedges the agent after a restore.
-            await asyncio.sleep(0.05)
-        frozen_from = time.time()
         try:
-            image, paused_for = await asyncio.to_thread(self.durable.capture, row)
-            frozen_until = time.time()
+            async with self._frozen(row, session, hold=kind != "pause"):
+                frozen_from = time.time()
+                image, paused_for = await asyncio.to_thread(self.durable.capture, row)
+                frozen_until = time.time()
         except Exception as exc:
             self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
             raise
-        finally:
-            if self.router is not None and kind != "pause":
-                self.router.release(row.sandbox_id)
         started = time.monotonic()
         try:
             manifest = await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
@@ -80,6 +75,30 @@ class Checkpointing:
             except LookupError as exc:  # no active run: nothing to mark, say so
                 log.warning("gateway mark for checkpoint %s: %s", checkpoint_id, exc)
         return manifest
+
+    @contextlib.asynccontextmanager
+    async def _frozen(self: SandboxManager, row: SandboxRow, session: str, hold: bool) -> AsyncIterator[None]:
+        """Inside the block no host connection into the sandbox is open: a TCP connection established in
+        gVisor's netstack when it is checkpointed wedges the agent after a restore (runsc 20240729).
+
+        Clients' requests are cut (hold=True: new ones wait for the block's end), the journal is not pulled and
+        metrics are not sampled; then the sandbox's netstack gets a moment to see the closes.
+        """
+        sandbox_id = row.sandbox_id
+        self._freezing.add(sandbox_id)
+        try:
+            async with self.recorder.journal_hold(session):
+                await self._agent_calls_done(sandbox_id)
+                if self.router is not None:
+                    await self.router.quiesce(sandbox_id, hold=hold)
+                try:
+                    await asyncio.sleep(0.05)
+                    yield
+                finally:
+                    if self.router is not None and hold:
+                        self.router.release(sandbox_id)
+        finally:
+            self._freezing.discard(sandbox_id)
 
     async def pause(self: SandboxManager, sandbox_id: str, memory: bool = True) -> str:
         if not memory:

@@ -11,13 +11,14 @@ runtime's own state, and reaps only what is really gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import string
 import time
-from collections import deque
-from collections.abc import Coroutine
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,6 +90,9 @@ class SandboxManager(Checkpointing):
         self.host_name = host_name
         self.router: Any = None
         self._pausing: set[str] = set()
+        self._freezing: set[str] = set()  # being checkpointed: no host call into its agent may start
+        self._agent_calls: Counter[str] = Counter()  # host calls into agents in flight, by sandbox
+        self._agent_idle = asyncio.Condition()
         self._locks: dict[str, asyncio.Lock] = {}
         self.pool_size = pool_size
         self.agent_version = agent_version
@@ -498,6 +502,8 @@ class SandboxManager(Checkpointing):
         last: dict[str, tuple[float, int]] = {}
         while True:
             for row in list(self.live.values()):
+                if row.sandbox_id in self._freezing:
+                    continue
                 try:
                     sample = await self._sample(row, last)
                 except Exception as exc:  # a sandbox dying mid-sample is normal
@@ -505,7 +511,7 @@ class SandboxManager(Checkpointing):
                     continue
                 if sample:
                     self.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
-                elif row.sandbox_id in self.live and row.sandbox_id not in self._pausing:
+                elif row.sandbox_id in self.live and not {row.sandbox_id} & (self._pausing | self._freezing):
                     await self._check_alive(row)
             await asyncio.sleep(METRIC_INTERVAL)
 
@@ -529,12 +535,15 @@ class SandboxManager(Checkpointing):
         disk_used = disk_total = 0
         assert self._http is not None
         try:
-            async with self._http.get(f"http://{row.address}:49983/metrics",
-                                      headers={"X-Access-Token": row.access_token},
-                                      timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    m = await r.json()
-                    disk_used, disk_total = int(m.get("disk_used", 0)), int(m.get("disk_total", 0))
+            async with self._agent_call(row.sandbox_id) as allowed:
+                if not allowed:
+                    return None
+                async with self._http.get(f"http://{row.address}:49983/metrics",
+                                          headers={"X-Access-Token": row.access_token},
+                                          timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        m = await r.json()
+                        disk_used, disk_total = int(m.get("disk_used", 0)), int(m.get("disk_total", 0))
         except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
             # The agent does not answer: if runsc says the sandbox is gone (its sentry was OOM-killed), say so.
             await self._check_alive(row)
@@ -549,6 +558,27 @@ class SandboxManager(Checkpointing):
             "memUsed": stats.get("mem_used", 0), "memTotal": mem_total, "memCache": stats.get("mem_cache", 0),
             "diskUsed": disk_used, "diskTotal": disk_total,
         }
+
+    @contextlib.asynccontextmanager
+    async def _agent_call(self, sandbox_id: str) -> AsyncIterator[bool]:
+        """Around a host-initiated call into a sandbox's agent: yields False (make no call) while the sandbox
+        is being checkpointed; a checkpoint waits for calls in flight (see Checkpointing._frozen)."""
+        if sandbox_id in self._freezing:
+            yield False
+            return
+        self._agent_calls[sandbox_id] += 1
+        try:
+            yield True
+        finally:
+            self._agent_calls[sandbox_id] -= 1
+            if not self._agent_calls[sandbox_id]:
+                del self._agent_calls[sandbox_id]
+                async with self._agent_idle:
+                    self._agent_idle.notify_all()
+
+    async def _agent_calls_done(self, sandbox_id: str) -> None:
+        async with self._agent_idle:
+            await self._agent_idle.wait_for(lambda: not self._agent_calls[sandbox_id])
 
     def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
         self.get(sandbox_id)

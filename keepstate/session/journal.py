@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -119,6 +120,8 @@ class JournalPoller:
         await poller.start()
         poller.track(sandbox_id, f"http://{ip}:49983", access_token)
         await poller.pull_now(sandbox_id)      # before a checkpoint
+        async with poller.hold(sandbox_id):    # while the sandbox is frozen: no pull starts
+            ...
         poller.untrack(sandbox_id)             # on pause / kill
         await poller.stop()
     """
@@ -159,6 +162,18 @@ class JournalPoller:
             t.cursor = await pull_journal(self.log, session_id, t.agent_url, t.token, t.cursor, self._client())
             t.failures = t.skip = 0
             return t.cursor
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
+        """No pull of the session runs inside the block: one in flight is waited for, the next waits for the
+        block's end. A checkpoint is taken inside it, since a connection open in a sandbox's netstack when it
+        is frozen wedges the agent after a restore."""
+        t = self._sessions.get(session_id)
+        if t is None:
+            yield
+            return
+        async with t.lock:
+            yield
 
     async def start(self) -> None:
         if self._task is None:

@@ -7,6 +7,7 @@ writes; only `checkpoint_begin` waits on the network (the last journal pull befo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -62,6 +63,12 @@ class SessionRecorder:
         ev = self.events.append(session_id, "checkpoint", {
             "checkpoint_id": checkpoint_id, "parent_id": parent_id, "kind": kind, "journal_cursor": cursor})
         return EventRef(ev.seq, ev.hash)
+
+    def journal_hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the sandbox is frozen for a checkpoint: no journal pull may hold a connection into it."""
+        if self.poller is None:
+            return contextlib.nullcontext()
+        return self.poller.hold(session_id)
 
     def checkpoint_published(self, session_id: str, checkpoint_id: str, parent_id: str | None, kind: str,
                              event: EventRef) -> None:

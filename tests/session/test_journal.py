@@ -95,3 +95,25 @@ async def test_a_restarted_agent_journal_is_read_from_its_start(agent: tuple[Fak
     events = log.read("s1")
     assert [e.kind for e in events[3:]] == ["journal.reset", "dir.make"]
     assert events[3].data == {"cursor": 3, "last": 1} and events[4].data["path"] == "/new"
+
+
+async def test_no_pull_runs_while_a_session_is_held(agent: tuple[FakeJournal, str], log: EventLog) -> None:
+    """A checkpoint holds the session: the background poller and on-demand pulls wait for the hold's end."""
+    journal, url = agent
+    poller = JournalPoller(log, interval=0.01)
+    journal.add("process.start", pid=1, cmd="true", args=[])
+    poller.track("s1", url, TOKEN)
+    await poller.start()
+    try:
+        async with poller.hold("s1"):
+            before = len(journal.requests)
+            pending = asyncio.create_task(poller.pull_now("s1"))
+            for _ in range(20):
+                await poller.poll_once()
+                await asyncio.sleep(0.01)
+            assert len(journal.requests) == before
+            assert not pending.done()
+        assert await pending == 1
+        assert len(journal.requests) > before
+    finally:
+        await poller.stop()
