@@ -4,14 +4,17 @@
 
 Starts its own KeepState server (own data dir, local store, shared template cache). For each
 size, a sandbox holds that much random state in a live process; then, with the stock e2b SDK:
-  * pause (checkpoint + ingest + stop) and resume (materialise + verify + runsc restore) times,
-  * stored bytes of the checkpoint, and of a second one after a 1 MiB change (incremental),
+  * pause (freeze + checkpoint + ingest + publish) and resume times: the resume thaws the frozen
+    standby the pause leaves behind (serve --standby-seconds),
+  * stored bytes of the checkpoint, and of a second one after the program changed 1 MiB (manifest
+    included), beside the bytes of the image that really changed (4 KiB pages new since the first),
 and beside them, measured in the same run on the same image:
   * `runsc checkpoint` + `runsc restore` alone, on a local folder (gVisor with no store),
   * `restic backup` / `restic restore` of the same image folder (stored bytes and times).
-Then fork of --forks copies, and (unless --no-store-bench) benchmarks/store.py's ingest and
-verified-restore throughput beside restic. Goals (issue 3): pause+resume of 256 MiB under 1 s,
-incremental checkpoints under 2x the bytes changed, fork of 10 under 3 s.
+Then the same pause + resume on a server with no standby (the resume materialises, verifies and
+restores from the store); fork of --forks copies; and (unless --no-store-bench) benchmarks/store.py's
+ingest and verified-restore throughput beside restic. Goals (issue 3): pause+resume of 256 MiB under
+1 s, incremental checkpoints under 2x the bytes changed, fork of 10 under 3 s.
 """
 
 from __future__ import annotations
@@ -83,31 +86,100 @@ def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
     return ckpt, rest, image
 
 
+def holding(srv, n: int):
+    """A sandbox whose process holds n MiB of random bytes (incompressible: the worst case for a store)."""
+    from e2b import Sandbox
+
+    created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 900,
+                                                 "memoryMB": max(512, n * 2 + 256)})
+    sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
+    sbx.files.write("/tmp/hold.py", HOLD.format(n=n))
+    sbx.commands.run("nohup python3 /tmp/hold.py >/dev/null 2>&1 &")
+    wait_file(sbx, "/tmp/ready")
+    return sbx
+
+
+def increment(srv, first: str, second: str, work: Path) -> tuple[int, int]:
+    """(bytes the second checkpoint added to the store, manifest included; bytes of its image that changed)."""
+    sys.path.insert(0, str(REPO))
+    from blake3 import blake3
+
+    from keepstate.store import Repository, backend_from_url
+
+    repo = Repository.open(backend_from_url(f"file://{srv.home / 'store'}"), create=False)
+    a, b = work / "incr-a", work / "incr-b"
+    repo.read_checkpoint(first, a)
+    repo.read_checkpoint(second, b)
+    changed = 0
+    for f in sorted(b.iterdir()):
+        old = a / f.name
+        seen = set()
+        if old.exists():
+            data = old.read_bytes()
+            seen = {blake3(data[i:i + 4096]).digest() for i in range(0, len(data), 4096)}
+        data = f.read_bytes()
+        changed += sum(min(4096, len(data) - i) for i in range(0, len(data), 4096)
+                       if blake3(data[i:i + 4096]).digest() not in seen)
+    shutil.rmtree(a)
+    shutil.rmtree(b)
+    stats = {c["checkpoint_id"]: c for c in checkpoints(srv)}[second]["stats"]
+    manifest = repo.backend.load(f"manifests/{repo.manifest_id_of(second)}")
+    repo.close()
+    return int(stats["added_bytes"]) + len(manifest), changed
+
+
+def fork_figures(srv, n: int, work: Path) -> list[str]:
+    """Fork a running sandbox into n; beside it runsc checkpoint + n restores of the same sandbox."""
+    from e2b import Sandbox
+
+    lines: list[str] = []
+    created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 600})
+    sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
+    sbx.commands.run("echo forkme > /tmp/f")
+    t = time.perf_counter()
+    forks = sbx.fork(count=n, timeout=300)
+    fork_s = time.perf_counter() - t
+    ok = sum(1 for f in forks if isinstance(f, Sandbox))
+    t = time.perf_counter()
+    for f in forks:
+        if isinstance(f, Sandbox):
+            f.commands.run("true")
+    first_cmds = time.perf_counter() - t
+    raw_ck, raw_rs, raw_image = raw_runsc(srv, sbx.sandbox_id, work)
+    for f in forks:
+        if isinstance(f, Sandbox):
+            f.kill()
+    sbx.kill()
+    lines.append(f"fork into {n} ({ok} succeeded):")
+    lines.append(row(f"fork of {n} (checkpoint+ingest+restores)", fork_s * 1000,
+                     (raw_ck + n * raw_rs) * 1000, peer_name="runsc ckpt+N restores"))
+    lines.append(f"  first command in every fork: {first_cmds * 1000:.0f} ms in all")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64,256,512")
-    ap.add_argument("--forks", type=int, default=10)
+    ap.add_argument("--forks", type=int, default=10, help="0: no fork figures")
     ap.add_argument("--no-store-bench", action="store_true")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="keepstate-ckbench-"))
     lines: list[str] = []
     renv = {**os.environ, "RESTIC_PASSWORD": "bench"}
+    cold_runs: list[tuple[int, float]] = []
+    raw_restore: dict[int, float] = {}
     try:
         with server(pool=0) as srv:
             srv.sdk_env()
             from e2b import Sandbox
 
             for n in sizes:
-                created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 900,
-                                                             "memoryMB": max(512, n * 2 + 256)})
-                sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
-                sbx.files.write("/tmp/hold.py", HOLD.format(n=n))
-                sbx.commands.run("nohup python3 /tmp/hold.py >/dev/null 2>&1 &")
-                wait_file(sbx, "/tmp/ready")
+                sbx = holding(srv, n)
 
                 raw_ck, raw_rs, raw_image = raw_runsc(srv, sbx.sandbox_id, work)
                 image_bytes = dir_bytes(raw_image)
+                raw_restore[n] = raw_rs
                 repo = work / f"restic-{n}"
                 restic("init", repo=repo, env=renv)
                 rb = restic("backup", str(raw_image), repo=repo, env=renv)
@@ -127,46 +199,51 @@ def main() -> None:
                 sbx.files.write("/tmp/poke", "1")
                 wait_file(sbx, "/tmp/poked")
                 before = {c["checkpoint_id"] for c in checkpoints(srv)}
+                t = time.perf_counter()
                 sbx.pause()
                 sbx = Sandbox.connect(sbx.sandbox_id)
+                incr_s = time.perf_counter() - t
                 second = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
-                incr = int(second["stats"]["added_bytes"])
+                incr, changed = increment(srv, first["checkpoint_id"], second["checkpoint_id"], work)
                 restic("backup", str(raw_image), repo=repo, env=renv)  # same image: restic's dedupe floor
                 sbx.kill()
                 shutil.rmtree(raw_image, ignore_errors=True)
+                cold_runs.append((n, rb + rr))
 
                 lines.append(f"sandbox holding {n} MiB (image {image_bytes / MiB:.0f} MiB):")
-                lines.append(row("pause (checkpoint+ingest+stop)", pause_s * 1000, raw_ck * 1000,
+                lines.append(row("pause (freeze+checkpoint+ingest+publish)", pause_s * 1000, raw_ck * 1000,
                                  peer_name="runsc checkpoint only"))
-                lines.append(row("resume (verify+restore)", resume_s * 1000, raw_rs * 1000,
+                lines.append(row("resume (thaw of the standby)", resume_s * 1000, raw_rs * 1000,
                                  peer_name="runsc restore only"))
                 lines.append(row("pause + resume", (pause_s + resume_s) * 1000, (rb + rr) * 1000,
                                  peer_name="restic backup+restore"))
+                lines.append(row("pause + resume after a 1 MiB change", incr_s * 1000, (rb + rr) * 1000,
+                                 peer_name="restic backup+restore"))
                 lines.append(row("stored bytes", stored / MiB, rstored / MiB, unit="MiB", peer_name="restic repo"))
-                lines.append(row("stored after a 1 MiB change", incr / MiB, 1.0, unit="MiB",
-                                 peer_name="bytes changed"))
+                lines.append(row("stored after a 1 MiB change (+manifest)", incr / MiB, changed / MiB, unit="MiB",
+                                 peer_name="image bytes changed"))
+                lines.append("    (image bytes changed: 4 KiB pages of the new image found nowhere in the previous "
+                             "one; the program changed 1 MiB, the agent and runtimes the rest)")
 
-            created = srv.api("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 600})
-            sbx = Sandbox.connect(created["sandboxID"])  # type: ignore[index]
-            sbx.commands.run("echo forkme > /tmp/f")
-            t = time.perf_counter()
-            forks = sbx.fork(count=args.forks, timeout=300)
-            fork_s = time.perf_counter() - t
-            ok = sum(1 for f in forks if isinstance(f, Sandbox))
-            t = time.perf_counter()
-            for f in forks:
-                if isinstance(f, Sandbox):
-                    f.commands.run("true")
-            first_cmds = time.perf_counter() - t
-            raw_ck, raw_rs, raw_image = raw_runsc(srv, sbx.sandbox_id, work)
-            for f in forks:
-                if isinstance(f, Sandbox):
-                    f.kill()
-            sbx.kill()
-            lines.append(f"fork into {args.forks} ({ok} succeeded):")
-            lines.append(row(f"fork of {args.forks} (checkpoint+ingest+restores)", fork_s * 1000,
-                             (raw_ck + args.forks * raw_rs) * 1000, peer_name="runsc ckpt+N restores"))
-            lines.append(f"  first command in every fork: {first_cmds * 1000:.0f} ms in all")
+            if args.forks > 0:
+                lines += fork_figures(srv, args.forks, work)
+        # The same pause + resume with no standby: the resume restores (and verifies) from the store.
+        with server(pool=0, extra=("--standby-seconds", "0")) as cold:
+            cold.sdk_env()
+            lines.append("with no standby (serve --standby-seconds 0): resume restores from the store")
+            for n, restic_s in cold_runs:
+                sbx = holding(cold, n)
+                t = time.perf_counter()
+                sbx.pause()
+                pause_s = time.perf_counter() - t
+                t = time.perf_counter()
+                sbx = Sandbox.connect(sbx.sandbox_id)
+                resume_s = time.perf_counter() - t
+                sbx.kill()
+                lines.append(row(f"{n} MiB: resume (materialise+verify+restore)", resume_s * 1000,
+                                 raw_restore.get(n, float("nan")) * 1000, peer_name="runsc restore only"))
+                lines.append(row(f"{n} MiB: pause + resume", (pause_s + resume_s) * 1000, restic_s * 1000,
+                                 peer_name="restic backup+restore"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(lines))

@@ -67,6 +67,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+KEEP_LOG = os.environ.get("KEEPSTATE_BENCH_SERVER_LOG")
+
+
 @contextmanager
 def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> Iterator[Server]:
     home = Path(tempfile.mkdtemp(prefix="keepstate-bench-"))
@@ -74,7 +77,7 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
     env = {**os.environ, "KEEPSTATE_HOME": str(home), "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
-                             "--warm", warm, "--reap-on-exit", "--log-level", "warning", *extra],
+                             "--warm", warm, "--reap-on-exit", "--log-level", "info" if KEEP_LOG else "warning", *extra],
                             env=env, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -97,6 +100,8 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        if KEEP_LOG:  # KEEPSTATE_BENCH_SERVER_LOG=path keeps the server's log (at level info) for a look
+            shutil.copy(home / "server.log", KEEP_LOG)
         shutil.rmtree(home, ignore_errors=True)
 
 

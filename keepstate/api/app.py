@@ -46,6 +46,8 @@ class ServerConfig:
     store_url: str | None = None  # default file://<home>/store; s3://bucket/prefix?endpoint=... to share
     gateway_config: Path | None = None  # a GatewayConfig file: serve the metering gateway too
     gateway_port: int = 3100
+    standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
+    standby_mb: int = 2048  # memory all standbys together may hold
 
 
 def _envd_version() -> str:
@@ -88,6 +90,7 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
     poller = JournalPoller(event_log, interval=1.0)
     recorder = SessionRecorder(event_log, lineage, poller)
     durable = Durability(config.home, runtime, config.store_url)
+    durable.clear_images()
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
     if config.gateway_config is not None:
@@ -101,7 +104,8 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
         gateway = gateway_app[GATEWAY]
     manager = SandboxManager(catalog, runtime, recorder=recorder, durable=durable, pool_size=config.pool_size,
                              agent_version=envd_version, host_name=socket.gethostname(), gateway=gateway,
-                             gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None)
+                             gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
+                             standby_seconds=config.standby_seconds, standby_mb=config.standby_mb)
     router = Router(manager)
     keys = KeyCache(catalog)
 

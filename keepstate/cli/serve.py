@@ -28,13 +28,18 @@ from .common import home_option
                    "gateway serves sandboxes on 10.88.255.254:PORT and the host on 127.0.0.1:PORT, and every "
                    "sandbox gets OPENAI_*/ANTHROPIC_* variables pointing at it.")
 @click.option("--gateway-port", default=3100, show_default=True, type=int, help="The gateway's port.")
+@click.option("--standby-seconds", default=300, show_default=True, type=int,
+              help="How long a paused sandbox is also kept frozen in memory, so that resuming it is a thaw "
+                   "(milliseconds) instead of a restore from the store; 0 disables standbys.")
+@click.option("--standby-mb", default=2048, show_default=True, type=int,
+              help="Memory all standbys together may hold; the oldest are released first.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
-          gateway_port: int, reap_on_exit: bool, log_level: str) -> None:
+          gateway_port: int, standby_seconds: int, standby_mb: int, reap_on_exit: bool, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -58,7 +63,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
     config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
-                          gateway_port=gateway_port)
+                          gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb)
     try:
         import uvloop
 

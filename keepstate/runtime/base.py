@@ -76,7 +76,13 @@ class Runtime(Protocol):
     def is_alive(self, handle: Handle) -> bool: ...
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
-        """Write a consistent image of memory, processes and files into image_dir."""
+        """Write a consistent image of memory, processes and files into image_dir. A frozen sandbox stays frozen."""
+
+    def freeze(self, handle: Handle) -> None:
+        """Stop every task of the sandbox where it is, holding its memory (a standby for a quick thaw)."""
+
+    def thaw(self, handle: Handle) -> None:
+        """Let a frozen sandbox run on from exactly where it was frozen."""
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""
@@ -87,5 +93,6 @@ class Runtime(Protocol):
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
         """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit."""
 
-    def running_names(self) -> set[str]:
-        """Names of every sandbox of this runtime that is running on the host (for re-adoption)."""
+    def running_names(self, status: str = "running") -> set[str]:
+        """Names of every sandbox of this runtime on the host in `status` ("running" or "paused": frozen), for
+        re-adoption."""

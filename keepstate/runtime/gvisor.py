@@ -183,6 +183,16 @@ class GVisorRuntime:
             raise RuntimeFailure(f"runsc checkpoint of {handle.name} failed ({proc.returncode}): "
                                  f"{_gist(proc.stderr)}")
 
+    def freeze(self, handle: Handle) -> None:
+        proc = self._runsc("pause", handle.name, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeFailure(f"runsc pause of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
+
+    def thaw(self, handle: Handle) -> None:
+        proc = self._runsc("resume", handle.name, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeFailure(f"runsc resume of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
+
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         link = network.link_for(slot)
         network.create(link)
@@ -229,7 +239,7 @@ class GVisorRuntime:
             out["cpu_quota_us"] = int(v)
         return out
 
-    def running_names(self) -> set[str]:
+    def running_names(self, status: str = "running") -> set[str]:
         proc = self._runsc("list", "--format=json", timeout=20)
         if proc.returncode != 0:
             return set()
@@ -237,7 +247,7 @@ class GVisorRuntime:
             items = json.loads(proc.stdout) or []
         except json.JSONDecodeError:
             return set()
-        return {i["id"] for i in items if i.get("status") == "running"}
+        return {i["id"] for i in items if i.get("status") == status}
 
 
 def host_cpu_flags() -> list[str]:

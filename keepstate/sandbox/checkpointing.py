@@ -19,15 +19,15 @@ import logging
 import secrets
 import shutil
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from keepstate.db.catalog import SandboxRow
-from keepstate.errors import BadRequest, Conflict, Unsupported
+from keepstate.errors import BadRequest, Conflict, KeepStateError, Unsupported
 from keepstate.runtime import network
-from keepstate.runtime.base import Limits
+from keepstate.runtime.base import Handle, Limits, RuntimeFailure
 from keepstate.store import Manifest
 from keepstate.store.ids import new_checkpoint_id
 
@@ -54,7 +54,7 @@ class Checkpointing:
         try:
             async with self._frozen(row, session, hold=kind != "pause"):
                 frozen_from = time.time()
-                image, paused_for = await asyncio.to_thread(self.durable.capture, row)
+                image, paused_for = await asyncio.to_thread(self.durable.capture, row, kind == "pause")
                 frozen_until = time.time()
         except Exception as exc:
             self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
@@ -116,17 +116,26 @@ class Checkpointing:
                 raise
             old = replace(row)
             row.state = "paused"
-            # The stopped instance is torn down in the background; remember it until then, so a server
-            # killed meanwhile reaps it when it starts again.
-            row.doc = {**row.doc, "checkpoint_id": manifest.checkpoint_id,
-                       "retired": {"name": row.runtime_name, "slot": row.slot}}
+            row.doc = {**row.doc, "checkpoint_id": manifest.checkpoint_id}
+            standby = self.standby_seconds > 0
+            if standby:
+                # The instance stays frozen in exactly the checkpoint's state: resuming it soon is a thaw.
+                stats = await asyncio.to_thread(self.runtime.cgroup_stats, Handle(row.runtime_name, row.slot))
+                row.doc["standby"] = {"name": row.runtime_name, "slot": row.slot, "address": row.address,
+                                      "since": time.time(),
+                                      "mem": stats.get("mem_used") or row.memory_mb << 20}
+                self.standbys[sandbox_id] = row.doc["standby"]
+            else:
+                # The stopped instance is torn down in the background; remember it until then, so a server
+                # killed meanwhile reaps it when it starts again.
+                row.doc["retired"] = {"name": row.runtime_name, "slot": row.slot}
             row.runtime_name, row.address, row.slot = "", "", -1
             self.catalog.put_sandbox(row)
             self.live.pop(sandbox_id, None)
             self._pausing.discard(sandbox_id)
             self.recorder.paused(row.doc.get("session_id", sandbox_id), manifest.checkpoint_id, True)
-            # The checkpoint is already safe in the store.
-            self._in_background(self._retire(row, old))
+            if not standby:  # the checkpoint is already safe in the store
+                self._in_background(self._retire(row, old))
             return manifest.checkpoint_id
 
     async def _retire(self: SandboxManager, row: SandboxRow, old: SandboxRow) -> None:
@@ -134,7 +143,64 @@ class Checkpointing:
         if row.doc.pop("retired", None) is not None and row.state == "paused":
             self.catalog.put_sandbox(row)
 
+    # -- standbys: paused sandboxes kept frozen in memory for a while -------------------------------------------
+    async def _thaw(self: SandboxManager, row: SandboxRow, timeout: int) -> bool:
+        """Resume from the standby if it is still frozen and answers; False (standby gone) means: restore."""
+        sb = row.doc.pop("standby")
+        self.standbys.pop(row.sandbox_id, None)
+        instance = replace(row, runtime_name=sb["name"], slot=sb["slot"], address=sb["address"])
+        try:
+            state = await asyncio.to_thread(self.runtime.state, sb["name"])
+            if state != "paused":
+                raise RuntimeFailure(f"its instance is {state}, not frozen")
+            await asyncio.to_thread(self.runtime.thaw, Handle(instance.runtime_name, instance.slot))
+            row.runtime_name, row.slot, row.address = instance.runtime_name, instance.slot, instance.address
+            row.state = "running"
+            row.end_at = time.time() + timeout
+            if self.gateway is not None and row.doc.get("gatewayToken"):
+                self.register_gateway_run(row)
+            self.catalog.put_sandbox(row)
+            await self._wait_agent(row, RESTORED_AGENT_TIMEOUT)
+        except (RuntimeFailure, KeepStateError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("standby of %s cannot resume (%s); restoring its checkpoint instead", row.sandbox_id, exc)
+            await self._reap(instance, keep_row=True)
+            row.state, row.runtime_name, row.slot, row.address = "paused", "", -1, ""
+            self.catalog.put_sandbox(row)
+            return False
+        self.live[row.sandbox_id] = row
+        self.recorder.resumed(row.doc.get("session_id", row.sandbox_id), row.doc["checkpoint_id"], self.host_name,
+                              agent_url=f"http://{row.address}:49983", token=row.access_token, source="standby")
+        return True
+
+    async def _release_standby(self: SandboxManager, sandbox_id: str, why: str) -> None:
+        """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
+        async with self._lock(sandbox_id):
+            sb = self.standbys.pop(sandbox_id, None)
+            row = self.catalog.get_sandbox(sandbox_id)
+            if row is not None and row.state == "paused" and row.doc.pop("standby", None) is not None:
+                self.catalog.put_sandbox(row)
+            if sb is None or row is None:
+                return
+            log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
+            await self._reap(replace(row, runtime_name=sb["name"], slot=sb["slot"]), keep_row=True)
+
+    async def trim_standbys(self: SandboxManager) -> None:
+        """Release standbys older than standby_seconds, then the oldest until all fit in standby_mb."""
+        now = time.time()
+        total = sum(int(sb["mem"]) for sb in self.standbys.values())
+        for sandbox_id, sb in sorted(self.standbys.items(), key=lambda kv: float(kv[1]["since"])):
+            if now - float(sb["since"]) >= self.standby_seconds:
+                why = f"paused for {self.standby_seconds:g} s"
+            elif total > self.standby_mb << 20:
+                why = f"standbys hold more than {self.standby_mb} MiB"
+            else:
+                continue
+            total -= int(sb["mem"])
+            await self._release_standby(sandbox_id, why)
+
     async def _resume(self: SandboxManager, row: SandboxRow, timeout: int) -> SandboxRow:
+        if row.doc.get("standby") is not None and await self._thaw(row, timeout):
+            return row
         checkpoint_id = row.doc["checkpoint_id"]
         manifest = await asyncio.to_thread(self.durable.manifest, checkpoint_id)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
@@ -280,6 +346,7 @@ class Checkpointing:
         return row
 
     async def kill_paused(self: SandboxManager, row: SandboxRow) -> None:
+        await self._release_standby(row.sandbox_id, "killed")
         self.catalog.delete_sandbox(row.sandbox_id)
         self.recorder.killed(row.doc.get("session_id", row.sandbox_id), "kill")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import shutil
 import tempfile
@@ -38,6 +39,7 @@ from keepstate.store import (
     backend_from_url,
     restore_problems,
 )
+from keepstate.store import ids
 from keepstate.template import builder
 
 log = logging.getLogger("keepstate.sandbox")
@@ -65,21 +67,35 @@ class Durability:
         self.store_url = store_url or f"file://{home / 'store'}"
         self.repo = Repository.open(backend_from_url(self.store_url), cache_dir=home / "cache" / "store")
         self.images = home / "images"
-        self.images.mkdir(parents=True, exist_ok=True)
+        self.fast_images = _tmpfs_dir(home)
+        for d in (self.images, self.fast_images):
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True)
         self.release = runsc_release()
         flags = set(host_cpu_flags())
         self.cpu_features = tuple(f for f in _ISA_FLAGS if f in flags)
 
-    # -- capture -----------------------------------------------------------------------
-    def capture(self, row: SandboxRow) -> tuple[Path, float]:
-        """Run `runsc checkpoint` into a fresh image folder; returns it and the pause time.
+    def clear_images(self) -> None:
+        """At server start: images left by a server that was killed are of use to nobody."""
+        for d in (self.images, self.fast_images):
+            if d is not None:
+                for leftover in d.iterdir():
+                    shutil.rmtree(leftover, ignore_errors=True)
 
-        The sandbox always keeps running: a pause stops it only once the checkpoint is published.
+    # -- capture -----------------------------------------------------------------------
+    def capture(self, row: SandboxRow, freeze: bool = False) -> tuple[Path, float]:
+        """Run `runsc checkpoint` into a fresh image folder; returns it and the time the sandbox stood still.
+
+        The sandbox is never stopped: it runs on, or with freeze=True stays frozen from the start of the
+        checkpoint on (a pause: nothing runs after the state it saves, and the frozen instance can thaw into
+        exactly that state). If the checkpoint fails a frozen sandbox is thawed.
         """
-        image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self.images))
+        image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self._spool(row.memory_mb)))
         handle = Handle(row.runtime_name, row.slot)
         started = time.monotonic()
         try:
+            if freeze:
+                self.runtime.freeze(handle)
             try:
                 self.runtime.checkpoint(handle, image, leave_running=True)
             except RuntimeFailure as first:
@@ -92,8 +108,25 @@ class Durability:
                 self.runtime.checkpoint(handle, image, leave_running=True)
         except BaseException:
             shutil.rmtree(image, ignore_errors=True)
+            if freeze:
+                try:
+                    self.runtime.thaw(handle)
+                except RuntimeFailure as exc:
+                    log.error("sandbox %s stays frozen after a failed checkpoint: %s", row.sandbox_id, exc)
             raise
         return image, time.monotonic() - started
+
+    def _spool(self, memory_mb: int) -> Path:
+        """Where an image passes between runsc and the store: RAM (tmpfs) when it has room for it, so that
+        neither side waits for a disk; else the data directory."""
+        if self.fast_images is not None:
+            try:
+                st = os.statvfs(self.fast_images)
+                if st.f_bavail * st.f_frsize > (memory_mb << 20) * 2:
+                    return self.fast_images
+            except OSError:
+                pass
+        return self.images
 
     def ingest(self, row: SandboxRow, image: Path, *, kind: str, parent_id: str | None,
                event: EventRef | None, checkpoint_id: str) -> Manifest:
@@ -138,7 +171,7 @@ class Durability:
 
     def materialise(self, manifest: Manifest) -> Path:
         """Read and verify every chunk into a new image folder; nothing partial is ever left."""
-        dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.images))
+        dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self._spool(manifest.meta.sizes.get("memory_mb", 0))))
         dest.rmdir()
         try:
             self.repo.read_checkpoint(manifest.checkpoint_id, dest)
@@ -163,6 +196,20 @@ class Durability:
         found = [m for m in self.repo.list_checkpoints()
                  if m.meta.session_id == session_id and m.meta.labels.get("kind") in kinds]
         return found[-1] if found else None
+
+
+def _tmpfs_dir(home: Path) -> Path | None:
+    """This server's folder in /dev/shm when that is a tmpfs we can write (one per data directory)."""
+    shm = Path("/dev/shm")
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts if len(line.split()) > 2):
+        return None
+    if not os.access(shm, os.W_OK):
+        return None
+    return shm / f"keepstate-{ids.hexdigest(str(home.resolve()).encode())[:16]}"
 
 
 def _latest_digest(template_id: str) -> str:

@@ -80,7 +80,8 @@ def check_timeout(value: Any, field_name: str = "timeout") -> int:
 class SandboxManager(Checkpointing):
     def __init__(self, catalog: Catalog, runtime: GVisorRuntime, *, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, agent_version: str = "0.6.13",
-                 gateway: Any = None, gateway_url: str | None = None, host_name: str = "") -> None:
+                 gateway: Any = None, gateway_url: str | None = None, host_name: str = "",
+                 standby_seconds: float = 300, standby_mb: int = 2048) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.recorder = recorder
@@ -90,6 +91,9 @@ class SandboxManager(Checkpointing):
         self.host_name = host_name
         self.router: Any = None
         self._pausing: set[str] = set()
+        self.standby_seconds = standby_seconds
+        self.standby_mb = standby_mb
+        self.standbys: dict[str, dict[str, Any]] = {}  # paused sandboxes still frozen in memory: doc["standby"]
         self._freezing: set[str] = set()  # being checkpointed: no host call into its agent may start
         self._agent_calls: Counter[str] = Counter()  # host calls into agents in flight, by sandbox
         self._agent_idle = asyncio.Condition()
@@ -136,6 +140,8 @@ class SandboxManager(Checkpointing):
             rows = [r for p in self.pools.values() for r in p.drain()] + list(self.live.values())
             self.live.clear()
             await asyncio.gather(*(self._reap(r) for r in rows), return_exceptions=True)
+            await asyncio.gather(*(self._release_standby(s, "server stops") for s in list(self.standbys)),
+                                 return_exceptions=True)
             await asyncio.gather(*self._reaping, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
@@ -169,13 +175,32 @@ class SandboxManager(Checkpointing):
                 except KeepStateError:
                     b = None
                 latest[row.template_id] = b.digest if b else None
+        frozen = await asyncio.to_thread(self.runtime.running_names, "paused")
         for row in rows:
+            sb = row.doc.get("standby")
+            if sb is not None and row.state == "paused":
+                if sb["name"] in frozen:
+                    self.standbys[row.sandbox_id] = sb
+                    self._slots.add(sb["slot"])
+                    log.info("adopted the standby of paused sandbox %s", row.sandbox_id)
+                else:  # the host restarted or someone removed it: the checkpoint remains
+                    row.doc.pop("standby")
+                    row.doc["retired"] = {"name": sb["name"], "slot": sb["slot"]}
             retired = row.doc.pop("retired", None)
             if retired:  # an instance stopped by a pause whose teardown a crash interrupted
                 gone = replace(row, runtime_name=retired["name"], slot=retired["slot"])
                 await self._reap(gone, keep_row=True)
                 self.catalog.put_sandbox(row)
             self._slots.add(row.slot)
+            if row.state == "running" and row.runtime_name in frozen:
+                # A pause froze it, then the server died before the checkpoint was published: it runs on.
+                try:
+                    await asyncio.to_thread(self.runtime.thaw, handle_of(row))
+                    alive.add(row.runtime_name)
+                    log.warning("sandbox %s was frozen by an unfinished pause; thawed it", row.sandbox_id)
+                except RuntimeFailure as exc:
+                    log.error("sandbox %s was frozen by an unfinished pause and cannot be thawed: %s",
+                              row.sandbox_id, exc)
             stale_pool = row.state == "pooled" and latest.get(row.template_id) != row.template_digest
             if row.state in ("running", "pooled") and row.runtime_name in alive and not stale_pool:
                 if row.state == "running":
@@ -495,6 +520,11 @@ class SandboxManager(Checkpointing):
                         await self._expire(row)
                     except Exception as exc:
                         log.warning("expiry of %s failed: %s", row.sandbox_id, exc)
+            if self.standbys:
+                try:
+                    await self.trim_standbys()
+                except Exception as exc:
+                    log.warning("releasing standbys failed: %s", exc)
             await asyncio.sleep(0.25)
 
     # -- metrics -------------------------------------------------------------------

@@ -87,10 +87,12 @@ class SessionRecorder:
         return self.events.append(session_id, "sandbox.pause", {"checkpoint_id": checkpoint_id, "memory": memory})
 
     def resumed(self, session_id: str, checkpoint_id: str, host: str, *, agent_url: str | None = None,
-                token: str | None = None) -> Event:
-        """The session runs again from `checkpoint_id`; journal pulling restarts at the checkpoint's cursor."""
+                token: str | None = None, source: str = "store") -> Event:
+        """The session runs again from `checkpoint_id` (restored from the store, or thawed from the standby frozen
+        in exactly that state: source "standby"); journal pulling restarts at the checkpoint's cursor."""
         row = self.lineage.checkpoint(checkpoint_id)
-        ev = self.events.append(session_id, "sandbox.resume", {"checkpoint_id": checkpoint_id, "host": host})
+        ev = self.events.append(session_id, "sandbox.resume",
+                                {"checkpoint_id": checkpoint_id, "host": host, "from": source})
         self.lineage.set_state(session_id, "running")
         cursor = row.journal_cursor if row is not None and row.journal_cursor is not None else None
         if cursor is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
     from keepstate.store.lock import Lock
     from keepstate.store.repository import Repository
 
-# Chunks handed to the thread pool at once: 256 × 64 KiB = 16 MiB, enough to keep both cores busy.
-_BATCH = 256
+# Chunks per task for the thread pool (hash, index lookup, compression), and tasks queued at once: about
+# 16 MiB of 64 KiB chunks in flight keeps both cores busy without one task per chunk.
+_GROUP = 16
+_GROUPS_IN_FLIGHT = 16
 # Packs being stored while the next one fills; bounds memory to about (_IN_FLIGHT + 1) × pack size.
-_IN_FLIGHT = 2
+_IN_FLIGHT = 3
 
-PackSink = Callable[[bytes, bytes], None]
+PackSink = Callable[[bytes, "list[bytes | memoryview]"], None]
 
 
 class PackWriter:
@@ -38,8 +41,8 @@ class PackWriter:
         self._target = target_size
         self._builder = pack.PackBuilder()
         self._chunks: set[bytes] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ks-pack") if background else None
-        self._pending: list[Future[None]] = []
+        self._executor = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="ks-pack") if background else None
+        self._pending: list[Future[PackRecord]] = []
         self._on_pack = on_pack
         self.records: list[PackRecord] = []
         self.stored_bytes = 0
@@ -47,7 +50,7 @@ class PackWriter:
     def __contains__(self, chunk_id: bytes) -> bool:
         return chunk_id in self._chunks
 
-    def add(self, chunk_id: bytes, stored: bytes, raw_len: int, compression: int) -> None:
+    def add(self, chunk_id: bytes, stored: bytes | memoryview, raw_len: int, compression: int) -> None:
         if chunk_id in self._chunks:
             return
         self._chunks.add(chunk_id)
@@ -59,24 +62,27 @@ class PackWriter:
     def flush(self) -> None:
         if not len(self._builder):
             return
-        pack_id, data = self._builder.finish()
-        self.records.append(PackRecord(pack_id, len(data), tuple(self._builder.entries)))
-        self._builder = pack.PackBuilder()
+        builder, self._builder = self._builder, pack.PackBuilder()
         if self._executor is None:
-            self._sink(pack_id, data)
+            self.records.append(self._store(builder))
         else:
             while len(self._pending) >= _IN_FLIGHT:
-                self._pending.pop(0).result()
-            self._pending.append(self._executor.submit(self._sink, pack_id, data))
+                self.records.append(self._pending.pop(0).result())
+            self._pending.append(self._executor.submit(self._store, builder))
         if self._on_pack is not None:
             self._on_pack()
+
+    def _store(self, builder: pack.PackBuilder) -> PackRecord:
+        pack_id, parts = builder.finish_parts()  # hashing 16 MiB: off the chunking thread
+        self._sink(pack_id, parts)
+        return PackRecord(pack_id, sum(len(p) for p in parts), tuple(builder.entries))
 
     def finish(self) -> list[PackRecord]:
         """Store the last pack and wait until every pack is stored; return what was stored."""
         try:
             self.flush()
-            for future in self._pending:
-                future.result()
+            while self._pending:
+                self.records.append(self._pending.pop(0).result())
         finally:
             self.close()
         return self.records
@@ -95,8 +101,13 @@ class IngestStats:
     added_bytes: int = 0
 
 
-def _hash(chunk: memoryview) -> bytes:
-    return ids.digest(chunk)
+def _prepare(chunks: list[memoryview], index: Index, level: int) -> list[tuple[bytes, tuple[bytes, int] | None]]:
+    """In a worker: each chunk's ID, and its stored form (bytes, compression) unless the index holds it."""
+    out: list[tuple[bytes, tuple[bytes, int] | None]] = []
+    for chunk in chunks:
+        chunk_id = ids.digest(chunk)
+        out.append((chunk_id, None if chunk_id in index else pack.compress(chunk, level)))
+    return out
 
 
 def ingest_file(image: ImageFile, repo: Repository, index: Index, writer: PackWriter,
@@ -109,17 +120,12 @@ def ingest_file(image: ImageFile, repo: Repository, index: Index, writer: PackWr
     level = repo.config.zstd_level
     runs: list[Run] = []
     size = 0
+    pending: deque[tuple[list[memoryview], Future[list[tuple[bytes, tuple[bytes, int] | None]]]]] = deque()
 
-    def compress(chunk: memoryview) -> tuple[bytes, int]:
-        return pack.compress(chunk, level)
-
-    batch: list[memoryview] = []
-
-    def drain() -> None:
+    def collect() -> None:
         nonlocal size
-        chunk_ids = list(pool.map(_hash, batch))
-        new: list[tuple[bytes, memoryview]] = []
-        for chunk, chunk_id in zip(batch, chunk_ids):
+        group, future = pending.popleft()
+        for chunk, (chunk_id, stored) in zip(group, future.result()):
             size += len(chunk)
             stats.chunks += 1
             if runs and runs[-1].chunk_id == chunk_id:
@@ -127,22 +133,27 @@ def ingest_file(image: ImageFile, repo: Repository, index: Index, writer: PackWr
                 runs[-1] = Run(chunk_id, last.raw_len, last.repeat + 1)
             else:
                 runs.append(Run(chunk_id, len(chunk)))
-            if chunk_id not in seen:
-                seen.add(chunk_id)
-                stats.unique_chunks += 1
-                if chunk_id not in index:
-                    new.append((chunk_id, chunk))
-        for (chunk_id, chunk), (stored, compression) in zip(new, pool.map(compress, [c for _, c in new])):
-            writer.add(chunk_id, stored, len(chunk), compression)
-            stats.added_chunks += 1
-            stats.added_bytes += len(stored)
-        batch.clear()
+            if chunk_id in seen:
+                continue
+            seen.add(chunk_id)
+            stats.unique_chunks += 1
+            if stored is not None:
+                writer.add(chunk_id, stored[0], len(chunk), stored[1])
+                stats.added_chunks += 1
+                stats.added_bytes += len(stored[0])
 
+    group: list[memoryview] = []
     for chunk in chunks_of(image.path, image.kind, repo.config.chunker):
-        batch.append(chunk)
-        if len(batch) >= _BATCH:
-            drain()
-    drain()
+        group.append(chunk)
+        if len(group) >= _GROUP:
+            pending.append((group, pool.submit(_prepare, group, index, level)))
+            group = []
+            if len(pending) >= _GROUPS_IN_FLIGHT:
+                collect()
+    if group:
+        pending.append((group, pool.submit(_prepare, group, index, level)))
+    while pending:
+        collect()
     if size != st.st_size:
         raise ValueError(f"image file {image.path} changed while it was being stored "
                          f"({st.st_size} bytes before, {size} read)")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
+import blake3
 import zstandard
 
 from keepstate.store import ids
@@ -42,11 +44,24 @@ class PackEntry:
         return cls(bytes(chunk_id), offset, stored_len, raw_len, compression)
 
 
-def compress(raw: bytes | memoryview, level: int) -> tuple[bytes, int]:
-    """Return (stored bytes, compression). Raw when zstd saves less than 1/32: restoring raw data is cheaper."""
-    packed = zstandard.ZstdCompressor(level=level).compress(raw)
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """One compressor per thread and level: making a context costs as much as compressing 64 KiB."""
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("zstd", {})
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level)
+    return c
+
+
+def compress(raw: bytes | memoryview, level: int) -> tuple[bytes | memoryview, int]:
+    """Return (stored bytes, compression). Raw when zstd saves less than 1/32: restoring raw data is cheaper.
+    Raw chunks are handed back as given, not copied (memory bandwidth is what ingest spends most)."""
+    packed = _compressor(level).compress(raw)
     if len(packed) > len(raw) - len(raw) // 32:
-        return bytes(raw), RAW
+        return raw, RAW
     return packed, ZSTD
 
 
@@ -75,7 +90,7 @@ class PackBuilder:
     """Accumulates stored chunks in memory until the pack is full, then produces its bytes and ID."""
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = [HEADER]
+        self._parts: list[bytes | memoryview] = [HEADER]
         self._size = len(HEADER)
         self.entries: list[PackEntry] = []
         self._ids: set[bytes] = set()
@@ -90,7 +105,7 @@ class PackBuilder:
     def __contains__(self, chunk_id: bytes) -> bool:
         return chunk_id in self._ids
 
-    def add(self, chunk_id: bytes, stored: bytes, raw_len: int, compression: int) -> None:
+    def add(self, chunk_id: bytes, stored: bytes | memoryview, raw_len: int, compression: int) -> None:
         if chunk_id in self._ids:
             return
         self.entries.append(PackEntry(chunk_id, self._size, len(stored), raw_len, compression))
@@ -100,9 +115,17 @@ class PackBuilder:
 
     def finish(self) -> tuple[bytes, bytes]:
         """Return (pack ID, pack bytes)."""
+        pack_id, parts = self.finish_parts()
+        return pack_id, b"".join(parts)
+
+    def finish_parts(self) -> tuple[bytes, list[bytes | memoryview]]:
+        """Return (pack ID, the pack's bytes as consecutive parts), hashing without joining them."""
         table = b"".join(e.encode() for e in self.entries)
-        data = b"".join(self._parts) + table + _TRAILER.pack(len(self.entries), MAGIC)
-        return ids.digest(data), data
+        parts = [*self._parts, table, _TRAILER.pack(len(self.entries), MAGIC)]
+        hasher = blake3.blake3()
+        for part in parts:
+            hasher.update(part)
+        return hasher.digest(), parts
 
 
 def parse(pack_name: str, data: bytes) -> list[PackEntry]:

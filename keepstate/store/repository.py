@@ -122,8 +122,9 @@ class Repository:
         name = pack_id.hex()
         return f"packs/{name[:2]}/{name}"
 
-    def save_pack(self, pack_id: bytes, data: bytes) -> None:
-        self.backend.save(self.pack_key(pack_id), data)
+    def save_pack(self, pack_id: bytes, parts: list[bytes | memoryview]) -> None:
+        """Store a pack given as its consecutive parts (PackBuilder.finish_parts)."""
+        self.backend.save_parts(self.pack_key(pack_id), parts)
 
     def _cached_load(self, kind: str, name: str, use_cache: bool) -> bytes:
         cached = self.cache_dir / kind / name if self.cache_dir is not None and use_cache else None

@@ -41,23 +41,38 @@ def ks(srv, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-def test_sigkill_between_pause_and_resume(fleet: Fleet) -> None:
-    srv = fleet.start()
+def resumed_from(srv, sandbox_id: str) -> list[str]:
+    """Where each resume of the session came from: "standby" (a thaw) or "store" (a restore)."""
+    events = json.loads(ks(srv, "events", sandbox_id, "--json").stdout)
+    if isinstance(events, dict):
+        events = events["events"]
+    return [e["data"]["from"] for e in events if e["kind"] == "sandbox.resume"]
+
+
+@pytest.mark.parametrize("standby", [("standby", ()), ("store", ("--standby-mb", "0"))], ids=["thaw", "restore"])
+def test_sigkill_between_pause_and_resume(fleet: Fleet, standby: tuple[str, tuple[str, ...]]) -> None:
+    """With standbys on, the frozen instance outlives the server and the next one thaws it; with no room for
+    standbys (--standby-mb 0) it is released right after the pause and the resume restores from the store."""
+    source, extra = standby
+    srv = fleet.start(extra=extra)
     sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
     counting(sbx)
     sbx.files.write("/home/user/f.txt", "kept")
     before = count(sbx)
     sbx.pause()
+    time.sleep(0.5)  # over budget, a standby is released within a quarter second
     port = int(srv.url.rsplit(":", 1)[1])
     fleet.sigkill(srv)
 
-    srv2 = fleet.start(home=srv.home, port=port)
+    srv2 = fleet.start(home=srv.home, port=port, extra=extra)
     opts = sdk_opts(srv2)
     resumed = Sandbox.connect(sbx.sandbox_id, **opts)
     assert resumed.files.read("/home/user/f.txt") == "kept"
-    assert count(resumed) >= before
+    paused_at = count(resumed)
+    assert paused_at >= before
     time.sleep(0.3)
-    assert count(resumed) > before  # the same process, still counting
+    assert count(resumed) > paused_at  # the same process, still counting
+    assert resumed_from(srv2, sbx.sandbox_id) == [source]
     resumed.kill()
 
 
@@ -81,7 +96,7 @@ def test_resume_on_a_second_server_sharing_only_the_s3_store(fleet: Fleet, s3_se
 
 
 def test_flipped_byte_in_any_object_refuses_restore_and_verify_finds_it(fleet: Fleet) -> None:
-    srv = fleet.start()
+    srv = fleet.start(extra=("--standby-seconds", "0"))  # no standby: a resume must restore from the store
     sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
     sbx.files.write("/home/user/x.txt", "x")
     sbx.pause()

@@ -207,6 +207,8 @@ def test_history_records_the_session(new_sandbox, server) -> None:
     for kind in ("process.start", "process.exit", "file.write", "checkpoint", "sandbox.pause", "sandbox.resume"):
         assert kind in kinds, kinds
     assert history["verified"]["ok"] is True
+    # paused moments ago on this server: its frozen standby was thawed, not restored from the store
+    assert [e["data"]["from"] for e in history["events"] if e["kind"] == "sandbox.resume"] == ["standby"]
     events = history["events"]
     for prev, ev in zip(events, events[1:]):
         assert ev["prev"] == prev["hash"] and ev["seq"] == prev["seq"] + 1

@@ -16,34 +16,51 @@ import pytest
 from keepstate.store import Backend, CheckpointMeta, ImageFile, LocalBackend, RepoConfig, Repository
 from tests.store.conftest import ACCESS_KEY, SECRET_KEY, MiB, write_memory_image
 
-# The child stores packs normally until it has stored `n`; then it hangs inside the next pack's save (for the local
+# The child stores packs normally until `n` are stored; then it hangs inside the next pack's save (for the local
 # backend: after the temporary file is written, before the rename), tells the parent, and waits to be killed.
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, threading, time
     from pathlib import Path
     from keepstate.store import CheckpointMeta, ImageFile, LocalBackend, Repository, backend_from_url
 
     url, image, marker, n = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     backend = backend_from_url(url)
-    inner_save = backend.save
-    stored = 0
+    inner_save, inner_save_parts = backend.save, backend.save_parts
+    real_fsync = os.fsync
+    lock = threading.Lock()
+    started = done = 0
+    hanging = None  # the thread storing pack n (packs are stored by several threads at once)
 
-    def hang(*_args):
+    def hang():
         marker.write_text(str(os.getpid()))
         time.sleep(600)
 
-    def save(key, data):
-        global stored
-        if key.startswith("packs/"):
-            if stored == n:
-                if isinstance(backend, LocalBackend):
-                    os.fsync = hang
-                else:
-                    hang()
-            stored += 1
-        inner_save(key, data)
+    def fsync(fd):
+        if threading.get_ident() == hanging:
+            hang()
+        real_fsync(fd)
 
-    backend.save = save
+    os.fsync = fsync
+
+    def store(inner, key, data):
+        global started, done, hanging
+        if not key.startswith("packs/"):
+            return inner(key, data)
+        with lock:
+            mine, started = started, started + 1
+        if mine == n:
+            while done < n:  # the packs before it are stored
+                time.sleep(0.01)
+            if isinstance(backend, LocalBackend):
+                hanging = threading.get_ident()
+            else:
+                hang()
+        inner(key, data)
+        with lock:
+            done += 1
+
+    backend.save = lambda key, data: store(inner_save, key, data)
+    backend.save_parts = lambda key, parts: store(inner_save_parts, key, parts)  # how packs are stored
     repo = Repository.open(backend)
     repo.write_checkpoint([ImageFile("pages.img", image, "memory")], CheckpointMeta(session_id="doomed"))
     print("finished without being killed", flush=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def save(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    def save_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """save() of the parts' concatenation; a backend that can write them without joining them does."""
+        self.save(key, b"".join(parts))
 
     @abc.abstractmethod
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from keepstate.store.backend import Backend, ObjectInfo, check_key
@@ -26,15 +26,16 @@ class LocalBackend(Backend):
         return self.root / check_key(key)
 
     def save(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self.save_parts(key, [data])
+
+    def save_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
         path = self._path(key)
         tmp = path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, [memoryview(p).cast("B") for p in parts if len(p)])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -117,3 +118,19 @@ class LocalBackend(Backend):
                         if exc.errno != errno.ENOENT:
                             raise BackendError(f"cannot remove leftover {path}: {exc}") from exc
         return freed
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write every view, in order, with as few system calls as writev allows."""
+    i = 0
+    while i < len(views):
+        batch = views[i:i + 1024]  # IOV_MAX
+        n = os.writev(fd, batch)
+        for v in batch:  # drop what was written; a short write leaves the rest of a view to go
+            if n >= len(v):
+                n -= len(v)
+                i += 1
+            else:
+                views[i] = v[n:]
+                break
+

@@ -8,7 +8,7 @@ left behind by a crash.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from keepstate.store.backend import Backend, ObjectInfo, check_key
@@ -106,9 +106,15 @@ class S3Backend(Backend):
                 raise BackendError(f"cannot create bucket {self.bucket} at {self.endpoint}: {code} {exc}") from exc
 
     def save(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._put(key, bytes(data))
+
+    def save_parts(self, key: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        self._put(key, b"".join(parts))
+
+    def _put(self, key: str, body: bytes) -> None:
         full = self._key(key)
         try:
-            self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data))
+            self._client.put_object(Bucket=self.bucket, Key=full, Body=body)
         except Exception as exc:
             raise self._error(exc, "write", key) from exc
 
