@@ -162,6 +162,7 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
             await runner.cleanup()
         await poller.stop()
         await router.stop()
+        durable.close()
         catalog.close()
 
     app.on_startup.append(on_startup)

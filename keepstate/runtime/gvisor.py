@@ -170,7 +170,7 @@ class GVisorRuntime:
             return "unknown"
 
     def is_alive(self, handle: Handle) -> bool:
-        return self.state(handle.name) == "running"
+        return self.state(handle.name) in ("running", "paused")  # paused: frozen by a checkpoint in progress
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)

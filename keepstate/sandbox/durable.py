@@ -82,6 +82,11 @@ class Durability:
                 for leftover in d.iterdir():
                     shutil.rmtree(leftover, ignore_errors=True)
 
+    def close(self) -> None:
+        """At server stop: the folder in RAM is per data directory; leave none behind."""
+        if self.fast_images is not None:
+            shutil.rmtree(self.fast_images, ignore_errors=True)
+
     # -- capture -----------------------------------------------------------------------
     def capture(self, row: SandboxRow, freeze: bool = False) -> tuple[Path, float]:
         """Run `runsc checkpoint` into a fresh image folder; returns it and the time the sandbox stood still.

@@ -547,6 +547,8 @@ class SandboxManager(Checkpointing):
 
     async def _check_alive(self, row: SandboxRow) -> None:
         """No cgroup figures: the sandbox may have died (OOM kill, crash). If runsc agrees, record it gone."""
+        if self.live.get(row.sandbox_id) is not row or row.sandbox_id in self._killing:
+            return  # killed, paused or replaced meanwhile: not ours to declare dead
         if not await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
             log.warning("sandbox %s died (its runsc container is gone: out of memory or a crash)", row.sandbox_id)
             await self._kill(row, "died")
