@@ -211,7 +211,8 @@ class GVisorRuntime:
         while self.state(handle.name) == "running" and time.monotonic() < deadline:
             time.sleep(0.05)
         self._runsc("delete", "--force", handle.name, timeout=30)
-        network.destroy(network.link_for(handle.slot))
+        if handle.slot >= 0:  # -1: the slot is no longer this sandbox's; leave its network alone
+            network.destroy(network.link_for(handle.slot))
         shutil.rmtree(self._dir(handle.name), ignore_errors=True)
 
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:

@@ -97,6 +97,18 @@ def orphaned_slots() -> list[tuple[int, str]]:
     return out
 
 
+def slot_owner(slot: int) -> str | None:
+    """The runtime name recorded for a slot, or None (free, a bare claim, unreadable)."""
+    import json
+
+    try:
+        with open(f"{SLOTS_DIR}/{slot}") as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return str(owner["name"]) if isinstance(owner, dict) and owner.get("name") else None
+
+
 def release_slot(slot: int) -> None:
     try:
         os.unlink(f"{SLOTS_DIR}/{slot}")

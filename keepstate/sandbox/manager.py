@@ -462,6 +462,10 @@ class SandboxManager(Checkpointing):
         await self._kill(row)
 
     async def _kill(self, row: SandboxRow, reason: str = "kill") -> None:
+        if row.state == "killed":
+            # A second kill would release its network slot twice, the second time from under whichever
+            # sandbox has claimed the slot since.
+            return
         self._killing.add(row.sandbox_id)
         self.live.pop(row.sandbox_id, None)
         row.state = "killed"
@@ -486,15 +490,21 @@ class SandboxManager(Checkpointing):
 
     async def _reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
         """Destroy the runtime side of a sandbox; drop its catalog row unless keep_row (paused)."""
+        slot = row.slot
+        owner = network.slot_owner(slot) if slot >= 0 else None
+        if owner is not None and row.runtime_name and owner != row.runtime_name:
+            # Reaped before, and the slot has been claimed by another sandbox since: not ours to tear down.
+            log.warning("slot %d of %s belongs to %s now; leaving it", slot, row.runtime_name, owner)
+            slot = -1
         if row.runtime_name:
             try:
-                await asyncio.to_thread(self.runtime.destroy, handle_of(row))
+                await asyncio.to_thread(self.runtime.destroy, Handle(row.runtime_name, slot))
             except Exception as exc:
                 log.warning("destroy of %s failed: %s", row.runtime_name, exc)
         if not keep_row:
             self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        if row.slot >= 0:
-            self._release_slot(row.slot)
+        if slot >= 0:
+            self._release_slot(slot)
         self._killing.discard(row.sandbox_id)
         self.metrics.pop(row.sandbox_id, None)
 

@@ -35,3 +35,21 @@ def test_oci_spec_limits_namespace_and_readonly_lib() -> None:
     lib = [m for m in doc["mounts"] if m["destination"] == "/opt/keepstate/lib/keepstate"][0]
     assert "ro" in lib["options"]
     assert doc["process"]["args"][0] == "/usr/bin/tini"
+
+
+def test_slot_claims_record_their_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reaper compares the recorded owner with the sandbox it reaps: a slot claimed since is not torn down."""
+    monkeypatch.setattr(network, "SLOTS_DIR", str(tmp_path / "slots"))
+    assert network.claim_slot(7)
+    assert not network.claim_slot(7)  # host-wide exclusive
+    assert network.slot_owner(7) is None  # a bare claim names nobody yet
+    network.record_slot_owner(7, str(tmp_path), "ks-one")
+    assert network.slot_owner(7) == "ks-one"
+    network.release_slot(7)
+    assert network.slot_owner(7) is None
+    assert network.claim_slot(7)
+    network.record_slot_owner(7, str(tmp_path), "ks-two")
+    assert network.slot_owner(7) == "ks-two"
+    assert network.orphaned_slots() == [(7, "ks-two")]  # its data directory has no catalog: nobody will adopt it
+    (tmp_path / "catalog.sqlite").touch()
+    assert network.orphaned_slots() == []
