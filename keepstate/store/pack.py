@@ -45,6 +45,7 @@ class PackEntry:
 
 
 _local = threading.local()
+_SAMPLE = 4096
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -59,7 +60,14 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 def compress(raw: bytes | memoryview, level: int) -> tuple[bytes | memoryview, int]:
     """Return (stored bytes, compression). Raw when zstd saves less than 1/32: restoring raw data is cheaper.
     Raw chunks are handed back as given, not copied (memory bandwidth is what ingest spends most)."""
-    packed = _compressor(level).compress(raw)
+    compressor = _compressor(level)
+    if len(raw) >= 4 * _SAMPLE:
+        # Memory images are full of incompressible pages (random data, compressed files, keys): judge a chunk
+        # by its first 4 KiB before spending a whole compression on it.
+        sample = compressor.compress(raw[:_SAMPLE])
+        if len(sample) > _SAMPLE - _SAMPLE // 32:
+            return raw, RAW
+    packed = compressor.compress(raw)
     if len(packed) > len(raw) - len(raw) // 32:
         return raw, RAW
     return packed, ZSTD
