@@ -1,6 +1,6 @@
 """Durable sessions: checkpoint, resume, incremental and fork figures beside the same data's peers.
 
-    python benchmarks/checkpoint.py [--sizes 64,256,512] [--forks 10] [--no-store-bench]
+    python benchmarks/checkpoint.py [--sizes 64,256,512] [--forks 10] [--repeat 3] [--no-store-bench]
 
 Starts its own KeepState server (own data dir, local store, shared template cache). For each
 size, a sandbox holds that much random state in a live process; then, with the stock e2b SDK:
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,8 +35,11 @@ from common import REPO, KEEPSTATE, row, server  # noqa: E402
 
 MiB = 1 << 20
 HOLD = ("import os,time\nb=bytearray(os.urandom({n}<<20))\nopen('/tmp/ready','w').write('1')\n"
-        "while True:\n  time.sleep(0.2)\n  if os.path.exists('/tmp/poke'):\n"
-        "    os.unlink('/tmp/poke'); b[:1<<20]=os.urandom(1<<20); open('/tmp/poked','w').write('1')\n")
+        "while True:\n  time.sleep(0.05)\n  if os.path.exists('/tmp/poke'):\n"
+        "    os.unlink('/tmp/poke'); b[:1<<20]=os.urandom(1<<20); open('/tmp/poked','w').write('1')\n"
+        "  if os.path.exists('/tmp/refill'):\n"
+        "    os.unlink('/tmp/refill')\n    for i in range(0, len(b), 16<<20): b[i:i+(16<<20)]=os.urandom(16<<20)\n"
+        "    open('/tmp/refilled','w').write('1')\n")
 
 
 def restic(*args: str, repo: Path, env: dict[str, str]) -> float:
@@ -162,6 +166,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,256,512")
     ap.add_argument("--forks", type=int, default=10, help="0: no fork figures")
     ap.add_argument("--no-store-bench", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="pause + resume cycles per size (medians are shown)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="keepstate-ckbench-"))
@@ -186,25 +191,40 @@ def main() -> None:
                 rstored = dir_bytes(repo)
                 rr = restic("restore", "latest", "--target", str(work / f"rr-{n}"), repo=repo, env=renv)
 
-                before = {c["checkpoint_id"] for c in checkpoints(srv)}
-                t = time.perf_counter()
-                sbx.pause()
-                pause_s = time.perf_counter() - t
-                t = time.perf_counter()
-                sbx = Sandbox.connect(sbx.sandbox_id)
-                resume_s = time.perf_counter() - t
-                first = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
-                stored = int(first["stats"]["added_bytes"])
+                # pause + resume of all-new state, --repeat times (the held bytes are refilled in between)
+                pauses, resumes, stored_all = [], [], []
+                for rep in range(args.repeat):
+                    if rep:
+                        sbx.files.write("/tmp/refill", "1")
+                        wait_file(sbx, "/tmp/refilled")
+                        sbx.files.remove("/tmp/refilled")
+                    before = {c["checkpoint_id"] for c in checkpoints(srv)}
+                    t = time.perf_counter()
+                    sbx.pause()
+                    pauses.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    sbx = Sandbox.connect(sbx.sandbox_id)
+                    resumes.append(time.perf_counter() - t)
+                    first = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
+                    stored_all.append(int(first["stats"]["added_bytes"]))
+                pause_s, resume_s = statistics.median(pauses), statistics.median(resumes)
+                total_s = statistics.median(a + b for a, b in zip(pauses, resumes))
+                stored = stored_all[0]
 
-                sbx.files.write("/tmp/poke", "1")
-                wait_file(sbx, "/tmp/poked")
-                before = {c["checkpoint_id"] for c in checkpoints(srv)}
-                t = time.perf_counter()
-                sbx.pause()
-                sbx = Sandbox.connect(sbx.sandbox_id)
-                incr_s = time.perf_counter() - t
-                second = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
-                incr, changed = increment(srv, first["checkpoint_id"], second["checkpoint_id"], work)
+                incrs = []
+                for _ in range(args.repeat):
+                    sbx.files.write("/tmp/poke", "1")
+                    wait_file(sbx, "/tmp/poked")
+                    sbx.files.remove("/tmp/poked")
+                    before = {c["checkpoint_id"] for c in checkpoints(srv)}
+                    t = time.perf_counter()
+                    sbx.pause()
+                    sbx = Sandbox.connect(sbx.sandbox_id)
+                    incrs.append(time.perf_counter() - t)
+                    second = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
+                    incr, changed = increment(srv, first["checkpoint_id"], second["checkpoint_id"], work)
+                    first = second
+                incr_s = statistics.median(incrs)
                 restic("backup", str(raw_image), repo=repo, env=renv)  # same image: restic's dedupe floor
                 sbx.kill()
                 shutil.rmtree(raw_image, ignore_errors=True)
@@ -215,7 +235,9 @@ def main() -> None:
                                  peer_name="runsc checkpoint only"))
                 lines.append(row("resume (thaw of the standby)", resume_s * 1000, raw_rs * 1000,
                                  peer_name="runsc restore only"))
-                lines.append(row("pause + resume", (pause_s + resume_s) * 1000, (rb + rr) * 1000,
+                lines.append(f"  (medians of {args.repeat}; pause + resume each time: "
+                             + ", ".join(f"{(a + b) * 1000:.0f}" for a, b in zip(pauses, resumes)) + " ms)")
+                lines.append(row("pause + resume", total_s * 1000, (rb + rr) * 1000,
                                  peer_name="restic backup+restore"))
                 lines.append(row("pause + resume after a 1 MiB change", incr_s * 1000, (rb + rr) * 1000,
                                  peer_name="restic backup+restore"))

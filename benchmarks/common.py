@@ -101,7 +101,8 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
             proc.kill()
         log.close()
         if KEEP_LOG:  # KEEPSTATE_BENCH_SERVER_LOG=path keeps the server's log (at level info) for a look
-            shutil.copy(home / "server.log", KEEP_LOG)
+            with open(KEEP_LOG, "ab") as kept:
+                kept.write((home / "server.log").read_bytes())
         shutil.rmtree(home, ignore_errors=True)
 
 

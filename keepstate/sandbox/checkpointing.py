@@ -51,21 +51,32 @@ class Checkpointing:
         parent_id = row.doc.get("checkpoint_id")
         checkpoint_id = new_checkpoint_id()
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
-        try:
-            async with self._frozen(row, session, hold=kind != "pause"):
-                frozen_from = time.time()
-                image, paused_for = await asyncio.to_thread(self.durable.capture, row, kind == "pause")
-                frozen_until = time.time()
-        except Exception as exc:
-            self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
-            raise
-        started = time.monotonic()
-        try:
-            manifest = await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
-                                               event=ref, checkpoint_id=checkpoint_id)
-        except Exception as exc:
-            self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
-            raise
+        pausing = kind == "pause"
+        async with contextlib.AsyncExitStack() as journal:
+            # No journal pull while the sandbox is frozen: for a pause that is until it is published.
+            await journal.enter_async_context(self.recorder.journal_hold(session))
+            try:
+                async with self._frozen(row, hold=not pausing):
+                    frozen_from = time.time()
+                    image, paused_for = await asyncio.to_thread(self.durable.capture, row, pausing)
+                    frozen_until = time.time()
+            except Exception as exc:
+                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+                raise
+            if not pausing:
+                await journal.aclose()  # it runs on
+            started = time.monotonic()
+            try:
+                manifest = await asyncio.to_thread(self.durable.ingest, row, image, kind=kind,
+                                                   parent_id=parent_id, event=ref, checkpoint_id=checkpoint_id)
+            except Exception as exc:
+                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+                if pausing:  # not paused after all: it runs on from where it was frozen
+                    try:
+                        await asyncio.to_thread(self.runtime.thaw, Handle(row.runtime_name, row.slot))
+                    except RuntimeFailure as thaw_exc:
+                        log.error("sandbox %s stays frozen after a failed pause: %s", row.sandbox_id, thaw_exc)
+                raise
         self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
         log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
                  paused_for * 1000, (time.monotonic() - started) * 1000)
@@ -77,26 +88,25 @@ class Checkpointing:
         return manifest
 
     @contextlib.asynccontextmanager
-    async def _frozen(self: SandboxManager, row: SandboxRow, session: str, hold: bool) -> AsyncIterator[None]:
+    async def _frozen(self: SandboxManager, row: SandboxRow, hold: bool) -> AsyncIterator[None]:
         """Inside the block no host connection into the sandbox is open: a TCP connection established in
         gVisor's netstack when it is checkpointed wedges the agent after a restore (runsc 20240729).
 
-        Clients' requests are cut (hold=True: new ones wait for the block's end), the journal is not pulled and
-        metrics are not sampled; then the sandbox's netstack gets a moment to see the closes.
+        Clients' requests are cut (hold=True: new ones wait for the block's end) and metrics are not sampled (the
+        caller holds journal pulls); then the sandbox's netstack gets a moment to see the closes.
         """
         sandbox_id = row.sandbox_id
         self._freezing.add(sandbox_id)
         try:
-            async with self.recorder.journal_hold(session):
-                await self._agent_calls_done(sandbox_id)
-                if self.router is not None:
-                    await self.router.quiesce(sandbox_id, hold=hold)
-                try:
-                    await asyncio.sleep(0.05)
-                    yield
-                finally:
-                    if self.router is not None and hold:
-                        self.router.release(sandbox_id)
+            await self._agent_calls_done(sandbox_id)
+            if self.router is not None:
+                await self.router.quiesce(sandbox_id, hold=hold)
+            try:
+                await asyncio.sleep(0.05)
+                yield
+            finally:
+                if self.router is not None and hold:
+                    self.router.release(sandbox_id)
         finally:
             self._freezing.discard(sandbox_id)
 

@@ -542,8 +542,8 @@ class SandboxManager(Checkpointing):
         last: dict[str, tuple[float, int]] = {}
         while True:
             for row in list(self.live.values()):
-                if row.sandbox_id in self._freezing:
-                    continue
+                if row.sandbox_id in self._freezing or row.sandbox_id in self._pausing:
+                    continue  # being checkpointed, or frozen by a pause until it is published
                 try:
                     sample = await self._sample(row, last)
                 except Exception as exc:  # a sandbox dying mid-sample is normal
