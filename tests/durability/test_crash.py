@@ -95,6 +95,26 @@ def test_resume_on_a_second_server_sharing_only_the_s3_store(fleet: Fleet, s3_se
     resumed.kill()
 
 
+def test_a_pause_the_store_refuses_leaves_the_sandbox_running(fleet: Fleet) -> None:
+    """A pause freezes the sandbox before the checkpoint; if the store then fails, it is thawed, not left frozen."""
+    srv = fleet.start()
+    opts = sdk_opts(srv)
+    sbx = Sandbox.create(timeout=300, **opts)
+    counting(sbx)
+    packs = store_path(srv) / "packs"
+    shutil.rmtree(packs, ignore_errors=True)
+    packs.write_text("a file where the store keeps its packs: every pack write fails")
+    with pytest.raises(SandboxException):
+        sbx.pause()
+    assert Sandbox.get_info(sbx.sandbox_id, **opts).state.value == "running"
+    before = count(sbx)
+    time.sleep(0.3)
+    assert count(sbx) > before  # it runs on, from where the pause froze it
+    packs.unlink()
+    sbx.pause()  # the store works again: so does the pause
+    assert count(Sandbox.connect(sbx.sandbox_id, **opts)) >= before
+
+
 def test_flipped_byte_in_any_object_refuses_restore_and_verify_finds_it(fleet: Fleet) -> None:
     srv = fleet.start(extra=("--standby-seconds", "0"))  # no standby: a resume must restore from the store
     sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
