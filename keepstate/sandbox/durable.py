@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +150,10 @@ class Durability:
         try:
             return self.repo.write_checkpoint(files, meta)
         finally:
-            shutil.rmtree(image, ignore_errors=True)
+            # Freeing a few hundred MiB takes tens of milliseconds a pause need not wait for; a server killed
+            # meanwhile leaves the folder to clear_images().
+            threading.Thread(target=shutil.rmtree, args=(image,), kwargs={"ignore_errors": True},
+                             name="ks-image-cleanup", daemon=True).start()
 
     # -- restore -----------------------------------------------------------------------
     def manifest(self, checkpoint_id: str) -> Manifest:
