@@ -185,14 +185,18 @@ class Checkpointing:
     async def _release_standby(self: SandboxManager, sandbox_id: str, why: str) -> None:
         """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
         async with self._lock(sandbox_id):
-            sb = self.standbys.pop(sandbox_id, None)
+            self.standbys.pop(sandbox_id, None)
             row = self.catalog.get_sandbox(sandbox_id)
-            if row is not None and row.state == "paused" and row.doc.pop("standby", None) is not None:
-                self.catalog.put_sandbox(row)
-            if sb is None or row is None:
+            sb = row.doc.pop("standby", None) if row is not None and row.state == "paused" else None
+            if row is None or sb is None:
                 return
             log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
+            # Recorded as retired until it is gone, so a server killed meanwhile reaps it when it starts again.
+            row.doc["retired"] = {"name": sb["name"], "slot": sb["slot"]}
+            self.catalog.put_sandbox(row)
             await self._reap(replace(row, runtime_name=sb["name"], slot=sb["slot"]), keep_row=True)
+            row.doc.pop("retired", None)
+            self.catalog.put_sandbox(row)
 
     async def trim_standbys(self: SandboxManager) -> None:
         """Release standbys older than standby_seconds, then the oldest until all fit in standby_mb."""
