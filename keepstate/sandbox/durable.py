@@ -77,11 +77,16 @@ class Durability:
         self.cpu_features = tuple(f for f in _ISA_FLAGS if f in flags)
 
     def clear_images(self) -> None:
-        """At server start: images left by a server that was killed are of use to nobody."""
+        """At server start: images left by a server that was killed are of use to nobody; nor are the folders in
+        RAM of data directories that are gone (a server killed, then its data directory deleted)."""
         for d in (self.images, self.fast_images):
             if d is not None:
                 for leftover in d.iterdir():
-                    shutil.rmtree(leftover, ignore_errors=True)
+                    if leftover.name != HOME_MARK:
+                        shutil.rmtree(leftover, ignore_errors=True)
+        if self.fast_images is not None:
+            (self.fast_images / HOME_MARK).write_text(str(self.home.resolve()))
+            sweep_ram_folders(self.fast_images.parent)
 
     def close(self) -> None:
         """At server stop: the folder in RAM is per data directory; leave none behind."""
@@ -205,6 +210,23 @@ class Durability:
         found = [m for m in self.repo.list_checkpoints()
                  if m.meta.session_id == session_id and m.meta.labels.get("kind") in kinds]
         return found[-1] if found else None
+
+
+HOME_MARK = ".home"  # in each server's folder in RAM: the data directory it belongs to
+
+
+def sweep_ram_folders(root: Path) -> list[Path]:
+    """Remove the keepstate-* folders under `root` whose data directory has no catalog any more; return them."""
+    gone = []
+    for folder in root.glob("keepstate-*"):
+        try:
+            home = Path((folder / HOME_MARK).read_text().strip())
+        except OSError:
+            continue  # not marked: whose it is cannot be told, so it stays
+        if not (home / "catalog.sqlite").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
 
 
 def _tmpfs_dir(home: Path) -> Path | None:
