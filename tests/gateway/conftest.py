@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,50 @@ def make_config(fake: FakeProvider, home: Path, **kw: Any) -> GatewayConfig:
         ],
         data_dir=home, price_table=prices, **kw,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Standalone:
+    """A `keepstate gateway` process, and a lead Gateway in this process sharing its data directory."""
+
+    lead: Gateway
+    url: str
+    home: Path
+    config_path: Path
+
+
+@contextlib.contextmanager
+def standalone_gateway(fake: FakeProvider, tmp_path: Path, **provider: Any) -> Iterator[Standalone]:
+    """Start `keepstate gateway` (one OpenAI-kind provider: the fake, for `fake-*`; more provider keys in
+    `provider`) with its config and home under tmp_path; stop it afterwards."""
+    (tmp_path / "prices.json").write_text(json.dumps({"version": 1, "models": {"fake-*": {"input": 1, "output": 2}}}))
+    config_path = tmp_path / "gateway.json"
+    config_path.write_text(json.dumps({
+        "providers": [{"name": "fake", "kind": "openai", "base_url": fake.openai_base_url, "api_key": HOST_KEY,
+                       "models": ["fake-*"], **provider}],
+        "price_table": str(tmp_path / "prices.json"),
+    }))
+    home = tmp_path / "home"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "keepstate.cli.main", "gateway", "--listen", f"127.0.0.1:{port}",
+                             "--config", str(config_path), "--home", str(home)], stderr=subprocess.DEVNULL)
+    try:
+        cfg = GatewayConfig.from_file(config_path)
+        cfg.data_dir = home
+        lead = Gateway(cfg)
+        try:
+            yield Standalone(lead, f"http://127.0.0.1:{port}", home, config_path)
+        finally:
+            lead.store.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 async def start_gateway(config: GatewayConfig) -> tuple[web.AppRunner, str]:

@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from keepstate.gateway import Gateway, GatewayConfig
 from keepstate.gateway.gateway import BindingPending
 from keepstate.gateway.store import Store
 from keepstate.testing import FakeProvider
 
-from .conftest import HOST_KEY, Env
-from .test_cli import free_port
+from .conftest import Env, standalone_gateway
 
 
 def chat(text: str) -> dict[str, Any]:
@@ -178,34 +174,16 @@ async def test_a_call_in_flight_at_the_freeze_is_answered_from_the_store_after_r
 
 
 async def test_bindings_are_shared_with_a_standalone_gateway_process(fake: FakeProvider, tmp_path: Path) -> None:
-    (tmp_path / "prices.json").write_text(json.dumps({"version": 1, "models": {"fake-*": {"input": 1, "output": 2}}}))
-    cfg_path = tmp_path / "gateway.json"
-    cfg_path.write_text(json.dumps({
-        "providers": [{"name": "fake", "kind": "openai", "base_url": fake.openai_base_url, "api_key": HOST_KEY,
-                       "models": ["fake-*"]}],
-        "price_table": str(tmp_path / "prices.json"),
-    }))
-    home = tmp_path / "home"
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "keepstate.cli.main", "gateway", "--listen", f"127.0.0.1:{port}",
-                             "--config", str(cfg_path), "--home", str(home)], stderr=subprocess.DEVNULL)
-    try:
-        cfg = GatewayConfig.from_file(cfg_path)
-        cfg.data_dir = home
-        lead = Gateway(cfg)
-        first = lead.register_run("s", "sbx-1", None, None, source_ip="127.0.0.2")
-        second = lead.register_run("s", "sbx-1", None, "ck", source_ip="127.0.0.3")
-        url = f"http://127.0.0.1:{port}"
+    with standalone_gateway(fake, tmp_path) as gw:
+        first = gw.lead.register_run("s", "sbx-1", None, None, source_ip="127.0.0.2")
+        second = gw.lead.register_run("s", "sbx-1", None, "ck", source_ip="127.0.0.3")
         async with asyncio.timeout(30):
             while True:
                 try:
-                    status, _, _ = await post_from(url, "127.0.0.3", first, chat("x"))
+                    status, _, _ = await post_from(gw.url, "127.0.0.3", first, chat("x"))
                     break
                 except aiohttp.ClientConnectionError:
                     await asyncio.sleep(0.1)
         assert status == 200
-        run = lead.run_of(second)
-        assert run is not None and [e["run_id"] for e in Store(home / "gateway.sqlite").entries()] == [run.run_id]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        run = gw.lead.run_of(second)
+        assert run is not None and [e["run_id"] for e in Store(gw.home / "gateway.sqlite").entries()] == [run.run_id]
