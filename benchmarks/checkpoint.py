@@ -90,6 +90,27 @@ def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
     return ckpt, rest, image
 
 
+def ask(sbx, request: str, done: str) -> None:
+    """Have the holding program act on /tmp/<request>; wait until it says /tmp/<done>."""
+    sbx.files.write(f"/tmp/{request}", "1")
+    wait_file(sbx, f"/tmp/{done}")
+    sbx.files.remove(f"/tmp/{done}")
+
+
+def pause_resume(srv, sbx):
+    """Pause with the SDK, then resume (connect): (the resumed sandbox, pause s, resume s, the pause's checkpoint)."""
+    from e2b import Sandbox
+
+    before = {c["checkpoint_id"] for c in checkpoints(srv)}
+    t = time.perf_counter()
+    sbx.pause()
+    pause_s = time.perf_counter() - t
+    t = time.perf_counter()
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    resume_s = time.perf_counter() - t
+    return resumed, pause_s, resume_s, [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
+
+
 def holding(srv, n: int):
     """A sandbox whose process holds n MiB of random bytes (incompressible: the worst case for a store)."""
     from e2b import Sandbox
@@ -177,8 +198,6 @@ def main() -> None:
     try:
         with server(pool=0) as srv:
             srv.sdk_env()
-            from e2b import Sandbox
-
             for n in sizes:
                 sbx = holding(srv, n)
 
@@ -192,38 +211,25 @@ def main() -> None:
                 rr = restic("restore", "latest", "--target", str(work / f"rr-{n}"), repo=repo, env=renv)
 
                 # pause + resume of all-new state, --repeat times (the held bytes are refilled in between)
-                pauses, resumes, stored_all = [], [], []
+                pauses, resumes = [], []
                 for rep in range(args.repeat):
                     if rep:
-                        sbx.files.write("/tmp/refill", "1")
-                        wait_file(sbx, "/tmp/refilled")
-                        sbx.files.remove("/tmp/refilled")
-                    before = {c["checkpoint_id"] for c in checkpoints(srv)}
-                    t = time.perf_counter()
-                    sbx.pause()
-                    pauses.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    sbx = Sandbox.connect(sbx.sandbox_id)
-                    resumes.append(time.perf_counter() - t)
-                    first = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
-                    stored_all.append(int(first["stats"]["added_bytes"]))
+                        ask(sbx, "refill", "refilled")
+                    sbx, pause_s, resume_s, ckpt = pause_resume(srv, sbx)
+                    pauses.append(pause_s)
+                    resumes.append(resume_s)
+                    if not rep:
+                        stored = int(ckpt["stats"]["added_bytes"])
                 pause_s, resume_s = statistics.median(pauses), statistics.median(resumes)
                 total_s = statistics.median(a + b for a, b in zip(pauses, resumes))
-                stored = stored_all[0]
 
                 incrs = []
                 for _ in range(args.repeat):
-                    sbx.files.write("/tmp/poke", "1")
-                    wait_file(sbx, "/tmp/poked")
-                    sbx.files.remove("/tmp/poked")
-                    before = {c["checkpoint_id"] for c in checkpoints(srv)}
-                    t = time.perf_counter()
-                    sbx.pause()
-                    sbx = Sandbox.connect(sbx.sandbox_id)
-                    incrs.append(time.perf_counter() - t)
-                    second = [c for c in checkpoints(srv) if c["checkpoint_id"] not in before][-1]
-                    incr, changed = increment(srv, first["checkpoint_id"], second["checkpoint_id"], work)
-                    first = second
+                    ask(sbx, "poke", "poked")
+                    sbx, p_s, r_s, second = pause_resume(srv, sbx)
+                    incrs.append(p_s + r_s)
+                    incr, changed = increment(srv, ckpt["checkpoint_id"], second["checkpoint_id"], work)
+                    ckpt = second
                 incr_s = statistics.median(incrs)
                 restic("backup", str(raw_image), repo=repo, env=renv)  # same image: restic's dedupe floor
                 sbx.kill()
@@ -254,13 +260,7 @@ def main() -> None:
             cold.sdk_env()
             lines.append("with no standby (serve --standby-seconds 0): resume restores from the store")
             for n, restic_s in cold_runs:
-                sbx = holding(cold, n)
-                t = time.perf_counter()
-                sbx.pause()
-                pause_s = time.perf_counter() - t
-                t = time.perf_counter()
-                sbx = Sandbox.connect(sbx.sandbox_id)
-                resume_s = time.perf_counter() - t
+                sbx, pause_s, resume_s, _ = pause_resume(cold, holding(cold, n))
                 sbx.kill()
                 lines.append(row(f"{n} MiB: resume (materialise+verify+restore)", resume_s * 1000,
                                  raw_restore.get(n, float("nan")) * 1000, peer_name="runsc restore only"))
