@@ -52,34 +52,36 @@ class Checkpointing:
         checkpoint_id = new_checkpoint_id()
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
         pausing = kind == "pause"
-        async with contextlib.AsyncExitStack() as journal:
-            # No journal pull while the sandbox is frozen: for a pause that is until it is published.
-            await journal.enter_async_context(self.recorder.journal_hold(session))
-            try:
+        handle = Handle(row.runtime_name, row.slot)
+        frozen = False
+        try:
+            async with contextlib.AsyncExitStack() as journal:
+                # No journal pull while the sandbox is frozen: for a pause that is until it is published.
+                await journal.enter_async_context(self.recorder.journal_hold(session))
                 async with self._frozen(row, hold=not pausing):
                     frozen_from = time.time()
-                    image, paused_for = await asyncio.to_thread(self.durable.capture, row, pausing)
+                    if pausing:  # nothing runs after the state it saves; the frozen instance is its standby
+                        await asyncio.to_thread(self.runtime.freeze, handle)
+                        frozen = True
+                    image = await asyncio.to_thread(self.durable.capture, row)
                     frozen_until = time.time()
-            except Exception as exc:
-                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
-                raise
-            if not pausing:
-                await journal.aclose()  # it runs on
-            started = time.monotonic()
-            try:
+                if not pausing:
+                    await journal.aclose()  # it runs on
+                started = time.monotonic()
                 manifest = await asyncio.to_thread(self.durable.ingest, row, image, kind=kind,
                                                    parent_id=parent_id, event=ref, checkpoint_id=checkpoint_id)
-            except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, Exception):
                 self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
-                if pausing:  # not paused after all: it runs on from where it was frozen
-                    try:
-                        await asyncio.to_thread(self.runtime.thaw, Handle(row.runtime_name, row.slot))
-                    except RuntimeFailure as thaw_exc:
-                        log.error("sandbox %s stays frozen after a failed pause: %s", row.sandbox_id, thaw_exc)
-                raise
+            if frozen:  # not paused after all: it runs on from where it was frozen
+                try:
+                    await asyncio.to_thread(self.runtime.thaw, handle)
+                except RuntimeFailure as thaw_exc:
+                    log.error("sandbox %s stays frozen after a failed pause: %s", row.sandbox_id, thaw_exc)
+            raise
         self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
         log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
-                 paused_for * 1000, (time.monotonic() - started) * 1000)
+                 (frozen_until - frozen_from) * 1000, (time.monotonic() - started) * 1000)
         if self.gateway is not None and row.doc.get("gatewayToken"):
             try:
                 self.gateway.mark_checkpoint(session, checkpoint_id, frozen_from, frozen_until)

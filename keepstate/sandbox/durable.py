@@ -19,7 +19,6 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +51,6 @@ _ISA_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "avx512f", "avx512bw", "avx512v
 
 class CorruptCheckpointError(KeepStateError):
     status = 500
-
-
-@dataclass
-class Captured:
-    manifest: Manifest
-    pause_seconds: float
-    ingest_seconds: float
 
 
 class Durability:
@@ -94,19 +86,12 @@ class Durability:
             shutil.rmtree(self.fast_images, ignore_errors=True)
 
     # -- capture -----------------------------------------------------------------------
-    def capture(self, row: SandboxRow, freeze: bool = False) -> tuple[Path, float]:
-        """Run `runsc checkpoint` into a fresh image folder; returns it and the time the sandbox stood still.
-
-        The sandbox is never stopped: it runs on, or with freeze=True stays frozen from the start of the
-        checkpoint on (a pause: nothing runs after the state it saves, and the frozen instance can thaw into
-        exactly that state). If the checkpoint fails a frozen sandbox is thawed.
-        """
+    def capture(self, row: SandboxRow) -> Path:
+        """Run `runsc checkpoint` into a fresh image folder and return it. The sandbox is left as it was: running
+        on, or (a pause) frozen."""
         image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self._spool(row.memory_mb)))
         handle = Handle(row.runtime_name, row.slot)
-        started = time.monotonic()
         try:
-            if freeze:
-                self.runtime.freeze(handle)
             try:
                 self.runtime.checkpoint(handle, image, leave_running=True)
             except RuntimeFailure as first:
@@ -119,13 +104,8 @@ class Durability:
                 self.runtime.checkpoint(handle, image, leave_running=True)
         except BaseException:
             shutil.rmtree(image, ignore_errors=True)
-            if freeze:
-                try:
-                    self.runtime.thaw(handle)
-                except RuntimeFailure as exc:
-                    log.error("sandbox %s stays frozen after a failed checkpoint: %s", row.sandbox_id, exc)
             raise
-        return image, time.monotonic() - started
+        return image
 
     def _spool(self, memory_mb: int) -> Path:
         """Where an image passes between runsc and the store: RAM (tmpfs) when it has room for it, so that
