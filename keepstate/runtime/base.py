@@ -93,6 +93,5 @@ class Runtime(Protocol):
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
         """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit."""
 
-    def running_names(self, status: str = "running") -> set[str]:
-        """Names of every sandbox of this runtime on the host in `status` ("running" or "paused": frozen), for
-        re-adoption."""
+    def statuses(self) -> dict[str, str]:
+        """Every sandbox of this runtime on the host, by name: "running", "paused" (frozen), ... (for re-adoption)."""

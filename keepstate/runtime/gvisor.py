@@ -240,15 +240,15 @@ class GVisorRuntime:
             out["cpu_quota_us"] = int(v)
         return out
 
-    def running_names(self, status: str = "running") -> set[str]:
+    def statuses(self) -> dict[str, str]:
         proc = self._runsc("list", "--format=json", timeout=20)
         if proc.returncode != 0:
-            return set()
+            return {}
         try:
             items = json.loads(proc.stdout) or []
         except json.JSONDecodeError:
-            return set()
-        return {i["id"] for i in items if i.get("status") == status}
+            return {}
+        return {i["id"]: str(i.get("status")) for i in items}
 
 
 def host_cpu_flags() -> list[str]:

@@ -166,7 +166,9 @@ class SandboxManager(Checkpointing):
     async def _adopt(self) -> None:
         await self._sweep_orphans()
         rows = self.catalog.sandboxes()
-        alive = await asyncio.to_thread(self.runtime.running_names)
+        statuses = await asyncio.to_thread(self.runtime.statuses)
+        alive = {name for name, status in statuses.items() if status == "running"}
+        frozen = {name for name, status in statuses.items() if status == "paused"}
         latest: dict[str, str | None] = {}
         for row in rows:
             if row.template_id not in latest:
@@ -175,7 +177,6 @@ class SandboxManager(Checkpointing):
                 except KeepStateError:
                     b = None
                 latest[row.template_id] = b.digest if b else None
-        frozen = await asyncio.to_thread(self.runtime.running_names, "paused")
         for row in rows:
             sb = row.doc.get("standby")
             if sb is not None and row.state == "paused":
@@ -551,14 +552,15 @@ class SandboxManager(Checkpointing):
                     continue
                 if sample:
                     self.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
-                elif row.sandbox_id in self.live and not {row.sandbox_id} & (self._pausing | self._freezing):
+                else:
                     await self._check_alive(row)
             await asyncio.sleep(METRIC_INTERVAL)
 
     async def _check_alive(self, row: SandboxRow) -> None:
         """No cgroup figures: the sandbox may have died (OOM kill, crash). If runsc agrees, record it gone."""
-        if self.live.get(row.sandbox_id) is not row or row.sandbox_id in self._killing:
-            return  # killed, paused or replaced meanwhile: not ours to declare dead
+        sid = row.sandbox_id
+        if self.live.get(sid) is not row or sid in self._killing or sid in self._pausing or sid in self._freezing:
+            return  # killed, paused or replaced meanwhile, or frozen by a checkpoint: not ours to declare dead
         if not await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
             log.warning("sandbox %s died (its runsc container is gone: out of memory or a crash)", row.sandbox_id)
             await self._kill(row, "died")
