@@ -77,7 +77,8 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
     env = {**os.environ, "KEEPSTATE_HOME": str(home), "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
-                             "--warm", warm, "--reap-on-exit", "--log-level", "info" if KEEP_LOG else "warning", *extra],
+                             "--warm", warm, "--reap-on-exit", "--log-level", "info" if KEEP_LOG else "warning",
+                             *extra],
                             env=env, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

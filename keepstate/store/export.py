@@ -61,8 +61,8 @@ def export_checkpoint(repo: Repository, checkpoint_id: str, out: IO[bytes], prog
         w.record(HEADER, ids.digest(header), header)
         w.record(MANIFEST, bytes.fromhex(manifest.id), manifest_bytes)
         # Repack only this checkpoint's chunks: no other checkpoint's data leaks into the archive.
-        writer = PackWriter(lambda pack_id, parts: w.record(PACK, pack_id, b"".join(parts)), repo.config.pack_target_size,
-                            background=False)
+        writer = PackWriter(lambda pack_id, parts: w.record(PACK, pack_id, b"".join(parts)),
+                            repo.config.pack_target_size, background=False)
         for p in plans.values():
             for start, length, entries in p.spans():
                 for entry, stored, _raw in fetch_verified(repo, checkpoint_id, p.pack_id, start, length, entries):

@@ -6,6 +6,7 @@ import functools
 import os
 import re
 import time
+from collections.abc import Iterable
 
 import blake3
 
@@ -18,6 +19,14 @@ _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
 def digest(data: bytes | bytearray | memoryview) -> bytes:
     """BLAKE3-256 of `data`: a chunk ID (of raw bytes) or a storage ID (of stored bytes)."""
     return blake3.blake3(data).digest()
+
+
+def digest_parts(parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+    """digest() of the parts' concatenation, without joining them."""
+    hasher = blake3.blake3()
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest()
 
 
 def hexdigest(data: bytes | bytearray | memoryview) -> str:

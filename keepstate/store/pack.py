@@ -6,7 +6,6 @@ import struct
 import threading
 from dataclasses import dataclass
 
-import blake3
 import zstandard
 
 from keepstate.store import ids
@@ -130,10 +129,7 @@ class PackBuilder:
         """Return (pack ID, the pack's bytes as consecutive parts), hashing without joining them."""
         table = b"".join(e.encode() for e in self.entries)
         parts = [*self._parts, table, _TRAILER.pack(len(self.entries), MAGIC)]
-        hasher = blake3.blake3()
-        for part in parts:
-            hasher.update(part)
-        return hasher.digest(), parts
+        return ids.digest_parts(parts), parts
 
 
 def parse(pack_name: str, data: bytes) -> list[PackEntry]:
