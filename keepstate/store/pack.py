@@ -72,8 +72,9 @@ def compress(raw: bytes | memoryview, level: int) -> tuple[bytes | memoryview, i
     return packed, ZSTD
 
 
-def decode_chunk(entry: PackEntry, stored: bytes | memoryview) -> bytes:
-    """Decompress and verify one chunk. Raises ValueError with the reason when it does not match its ID."""
+def decode_chunk(entry: PackEntry, stored: bytes | memoryview) -> bytes | memoryview:
+    """Decompress and verify one chunk (a raw chunk is handed back as given, not copied). Raises ValueError with
+    the reason when it does not match its ID."""
     if entry.compression == ZSTD:
         try:
             # A damaged frame header can claim any content size, and zstandard allocates what the frame claims:
@@ -85,7 +86,7 @@ def decode_chunk(entry: PackEntry, stored: bytes | memoryview) -> bytes:
         except zstandard.ZstdError as exc:
             raise ValueError(f"cannot decompress: {exc}") from exc
     else:
-        raw = bytes(stored)
+        raw = stored
     if len(raw) != entry.raw_len:
         raise ValueError(f"length {len(raw)} differs from the recorded {entry.raw_len}")
     if ids.digest(raw) != entry.chunk_id:

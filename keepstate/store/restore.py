@@ -64,7 +64,7 @@ def plan(checkpoint_id: str, manifest: Manifest, index: Index,
 
 
 def fetch_verified(repo: Repository, checkpoint_id: str, pack_id: bytes, start: int, length: int,
-                   entries: list[PackEntry]) -> Iterator[tuple[PackEntry, memoryview, bytes]]:
+                   entries: list[PackEntry]) -> Iterator[tuple[PackEntry, memoryview, bytes | memoryview]]:
     """Load a span of a pack and yield each of its chunks: (entry, stored bytes, verified raw bytes)."""
     name = pack_id.hex()
     try:

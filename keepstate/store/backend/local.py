@@ -1,9 +1,19 @@
-"""A repository in a local directory. Writes are atomic: temporary file, fsync, rename, fsync of the directory."""
+"""A repository in a local directory. Writes are atomic: temporary file, fsync, rename, fsync of the directory.
+
+Large objects (packs) are written with O_DIRECT through a few reused, page-aligned staging buffers: a write that is
+fsynced at once gains nothing from the page cache, and filling the cache costs a fresh page of memory per 4 KiB
+written, which in a VM whose free memory goes back to the host (virtio-balloon free page reporting) is the larger
+part of a pause (measured: 288 MiB of packs, 620 ms of system time buffered, 30 ms direct; disk time the same).
+A filesystem that refuses O_DIRECT (tmpfs, some FUSE) gets buffered writes.
+"""
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import mmap
 import os
+import queue
 import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,11 +22,36 @@ from keepstate.store.backend import Backend, ObjectInfo, check_key
 from keepstate.store.errors import BackendError, ObjectNotFound, ShortRead
 
 TEMP_PREFIX = ".tmp-"
+# Objects at least this large are written with O_DIRECT, in blocks of _BLOCK bytes aligned to _ALIGN.
+DIRECT_MIN = 1 << 20
+_BLOCK = 4 << 20
+_ALIGN = 4096
+
+
+class _Staging:
+    """Page-aligned buffers for direct writes, kept for the life of the process so their memory stays warm;
+    there are never more than writers at once."""
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+
+    def take(self) -> mmap.mmap:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return mmap.mmap(-1, _BLOCK)
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.put(buf)
+
+
+_staging = _Staging()
 
 
 class LocalBackend(Backend):
     def __init__(self, path: Path | str) -> None:
         self.root = Path(path).absolute()
+        self._direct = True  # cleared for good when the filesystem refuses O_DIRECT
 
     @property
     def location(self) -> str:
@@ -33,9 +68,13 @@ class LocalBackend(Backend):
         tmp = path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            views = [memoryview(p).cast("B") for p in parts if len(p)]
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, [memoryview(p).cast("B") for p in parts if len(p)])
+                if sum(len(v) for v in views) >= DIRECT_MIN and self._go_direct(fd):
+                    _write_direct(fd, views)
+                else:
+                    _write_all(fd, views)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -44,6 +83,18 @@ class LocalBackend(Backend):
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise BackendError(f"cannot write {key} in {self.location}: {exc}") from exc
+
+    def _go_direct(self, fd: int) -> bool:
+        """Switch `fd` to O_DIRECT if this filesystem allows it (it is asked once)."""
+        if not self._direct:
+            return False
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+        return self._direct
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:
@@ -118,6 +169,33 @@ class LocalBackend(Backend):
                         if exc.errno != errno.ENOENT:
                             raise BackendError(f"cannot remove leftover {path}: {exc}") from exc
         return freed
+
+
+def _write_direct(fd: int, views: list[memoryview]) -> None:
+    """Write the views' concatenation to a file opened with O_DIRECT, staged through an aligned buffer: whole
+    blocks, then the tail padded to _ALIGN with zeros and cut back by ftruncate."""
+    buf = _staging.take()
+    try:
+        with memoryview(buf) as block:
+            filled = total = 0
+            for view in views:
+                while len(view):
+                    n = min(len(view), _BLOCK - filled)
+                    block[filled:filled + n] = view[:n]
+                    filled += n
+                    view = view[n:]
+                    if filled == _BLOCK:
+                        _write_all(fd, [block])
+                        total += filled
+                        filled = 0
+            if filled:
+                padded = -(-filled // _ALIGN) * _ALIGN
+                block[filled:padded] = bytes(padded - filled)
+                _write_all(fd, [block[:padded]])
+                total += filled
+                os.ftruncate(fd, total)
+    finally:
+        _staging.give(buf)
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
