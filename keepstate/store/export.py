@@ -64,7 +64,7 @@ def export_checkpoint(repo: Repository, checkpoint_id: str, out: IO[bytes], prog
         writer = PackWriter(lambda pack_id, parts: w.record(PACK, pack_id, b"".join(parts)),
                             repo.config.pack_target_size, background=False)
         for p in plans.values():
-            for start, length, entries in p.spans():
+            for start, length, entries in p.spans(repo.backend.read_span):
                 for entry, stored, _raw in fetch_verified(repo, checkpoint_id, p.pack_id, start, length, entries):
                     writer.add(entry.chunk_id, bytes(stored), entry.raw_len, entry.compression)
                     if progress is not None:

@@ -31,12 +31,14 @@ class PackPlan:
     pack_id: bytes
     chunks: dict[bytes, tuple[PackEntry, list[tuple[int, int]]]] = field(default_factory=dict)
 
-    def spans(self) -> Iterator[tuple[int, int, list[PackEntry]]]:
-        """Yield (start, length, entries) ranges to fetch, coalescing close chunks."""
+    def spans(self, max_span: int | None = None) -> Iterator[tuple[int, int, list[PackEntry]]]:
+        """Yield (start, length, entries) ranges to fetch, coalescing close chunks into ranges of at most
+        `max_span` bytes (a single chunk may be longer)."""
         entries = sorted((e for e, _ in self.chunks.values()), key=lambda e: e.offset)
         group: list[PackEntry] = []
         for entry in entries:
-            if group and entry.offset - (group[-1].offset + group[-1].stored_len) > _MAX_GAP:
+            if group and (entry.offset - (group[-1].offset + group[-1].stored_len) > _MAX_GAP
+                          or max_span is not None and entry.offset + entry.stored_len - group[0].offset > max_span):
                 yield group[0].offset, group[-1].offset + group[-1].stored_len - group[0].offset, group
                 group = []
             group.append(entry)
@@ -104,7 +106,7 @@ def restore(repo: Repository, manifest: Manifest, index: Index, bad_indexes: lis
             os.ftruncate(fd, f.size)
 
         def restore_pack(p: PackPlan) -> None:
-            for start, length, entries in p.spans():
+            for start, length, entries in p.spans(repo.backend.read_span):
                 for entry, _stored, raw in fetch_verified(repo, checkpoint_id, p.pack_id, start, length, entries):
                     if entry.chunk_id == ids.zero_chunk_id(entry.raw_len):
                         continue

@@ -201,3 +201,20 @@ def test_two_processes_writing_to_one_repository(backend: Backend, tmp_path: Pat
         dest = tmp_path / f"out-{out.strip()}"
         repo.read_checkpoint(out.strip(), dest)
         assert (dest / "pages.img").read_bytes() == img.read_bytes()
+
+
+def test_restore_spans_coalesce_close_chunks_up_to_the_backend_read_span() -> None:
+    from keepstate.store.pack import PackEntry
+    from keepstate.store.restore import PackPlan
+
+    plan = PackPlan(b"p" * 32)
+    layout = [(0, 300_000), (300_000, 300_000), (600_000, 300_000), (900_000, 2_500_000), (5_000_000, 10)]
+    for i, (offset, length) in enumerate(layout):
+        plan.chunks[bytes([i]) * 32] = (PackEntry(bytes([i]) * 32, offset, length, length, 0), [(0, 0)])
+    whole = [(start, length, [e.offset for e in entries]) for start, length, entries in plan.spans()]
+    # 1.6 MB gap before the last chunk: beyond the coalescing gap, so two ranges
+    assert whole == [(0, 3_400_000, [0, 300_000, 600_000, 900_000]), (5_000_000, 10, [5_000_000])]
+    capped = [(start, length, [e.offset for e in entries]) for start, length, entries in plan.spans(1 << 20)]
+    # at most 1 MiB a range, except a chunk longer than that on its own
+    assert capped == [(0, 900_000, [0, 300_000, 600_000]), (900_000, 2_500_000, [900_000]),
+                      (5_000_000, 10, [5_000_000])]

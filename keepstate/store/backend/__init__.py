@@ -33,6 +33,10 @@ class ObjectInfo:
 class Backend(abc.ABC):
     """Where a repository's objects live. See the module docstring for the contract."""
 
+    # The longest range a reader should ask for in one load(); None: as long as useful (each request costs a
+    # round trip).
+    read_span: int | None = None
+
     @property
     @abc.abstractmethod
     def location(self) -> str:
