@@ -18,14 +18,18 @@ def _collect(handle) -> tuple[bytes, object]:  # type: ignore[no-untyped-def]
 
 def _read_until(events, out: bytearray, marker: bytes, start: int = 0) -> int:  # type: ignore[no-untyped-def]
     """Consume PTY output until `marker` shows up after `start`, so input is only typed once the shell is ready
-    for it. Returns the index just past the marker."""
-    for _stdout, _stderr, pty in events:
+    for it. Returns the index just past the marker. Looks at what was already read first: one piece of output
+    may hold several markers (the echo, the result and the next prompt often come together)."""
+    found = out.find(marker, start)
+    while found < 0:
+        try:
+            _stdout, _stderr, pty = next(events)
+        except StopIteration:
+            raise AssertionError(f"{marker!r} never appeared in {bytes(out)!r}") from None
         if pty:
             out.extend(pty)
         found = out.find(marker, start)
-        if found >= 0:
-            return found + len(marker)
-    raise AssertionError(f"{marker!r} never appeared in {bytes(out)!r}")
+    return found + len(marker)
 
 
 def test_pty_input_output_and_exit(sandbox) -> None:

@@ -147,31 +147,38 @@ class Kernel:
                 queue.put_nowait(msg)
 
     async def _wait_ready(self) -> None:
-        """Until a kernel_info round trip is seen on shell *and* iopub (iopub subscriptions lag)."""
+        """Until a kernel_info round trip is seen on shell *and* iopub (iopub subscriptions lag).
+
+        A request is sent every second until one is answered on both channels. Every request stays awaited until
+        the end: a kernel starved of CPU may answer each one more than a second late, and answers that only ever
+        matched the newest request would then never count.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT
-        while loop.time() < deadline:
-            msg_id = self._kc.kernel_info()
-            queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-            self._waiters[msg_id] = queue
-            seen_reply = seen_iopub = False
-            try:
+        answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        sent: list[str] = []
+        replied: set[str] = set()
+        published: set[str] = set()
+        try:
+            while loop.time() < deadline:
+                msg_id = self._kc.kernel_info()
+                sent.append(msg_id)
+                self._waiters[msg_id] = answers
                 end = min(deadline, loop.time() + 1.0)
-                while not (seen_reply and seen_iopub) and loop.time() < end:
+                while loop.time() < end:
                     try:
-                        msg = await asyncio.wait_for(queue.get(), end - loop.time())
+                        msg = await asyncio.wait_for(answers.get(), end - loop.time())
                     except TimeoutError:
                         break
-                    if msg["msg_type"] == "kernel_info_reply":
-                        seen_reply = True
-                    else:
-                        seen_iopub = True
-            finally:
-                del self._waiters[msg_id]
-            if seen_reply and seen_iopub:
-                return
-            if self._km is not None and not await self._km.is_alive():
-                raise KernelError(f"kernel '{self.kernel_name}' exited during start-up")
+                    parent = msg["parent_header"]["msg_id"]
+                    (replied if msg["msg_type"] == "kernel_info_reply" else published).add(parent)
+                    if replied & published:
+                        return
+                if self._km is not None and not await self._km.is_alive():
+                    raise KernelError(f"kernel '{self.kernel_name}' exited during start-up")
+        finally:
+            for msg_id in sent:
+                self._waiters.pop(msg_id, None)
         raise KernelError(f"kernel '{self.kernel_name}' did not answer within {START_TIMEOUT:.0f} s")
 
     async def execute(self, code: str, *, silent: bool = False) -> AsyncIterator[Line]:
