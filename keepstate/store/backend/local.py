@@ -29,11 +29,13 @@ _ALIGN = 4096
 
 
 class _Staging:
-    """Page-aligned buffers for direct writes, kept for the life of the process so their memory stays warm;
-    there are never more than writers at once."""
+    """Page-aligned buffers for direct writes, kept for the life of the process so their memory stays warm: as
+    many as writers have run at once, up to _KEPT (one checkpoint writes packs from three threads)."""
+
+    _KEPT = 8
 
     def __init__(self) -> None:
-        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._free: queue.Queue[mmap.mmap] = queue.Queue(self._KEPT)
 
     def take(self) -> mmap.mmap:
         try:
@@ -42,7 +44,10 @@ class _Staging:
             return mmap.mmap(-1, _BLOCK)
 
     def give(self, buf: mmap.mmap) -> None:
-        self._free.put(buf)
+        try:
+            self._free.put_nowait(buf)
+        except queue.Full:
+            pass  # freed with its last reference
 
 
 _staging = _Staging()
