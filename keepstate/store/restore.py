@@ -105,17 +105,18 @@ def restore(repo: Repository, manifest: Manifest, index: Index, bad_indexes: lis
             # Pre-sized and sparse: zero chunks are verified but never written, so they stay holes.
             os.ftruncate(fd, f.size)
 
-        def restore_pack(p: PackPlan) -> None:
-            for start, length, entries in p.spans(repo.backend.read_span):
-                for entry, _stored, raw in fetch_verified(repo, checkpoint_id, p.pack_id, start, length, entries):
-                    if entry.chunk_id == ids.zero_chunk_id(entry.raw_len):
-                        continue
-                    for file_no, offset in p.chunks[entry.chunk_id][1]:
-                        os.pwrite(fds[file_no], raw, offset)
+        def restore_span(p: PackPlan, start: int, length: int, entries: list[PackEntry]) -> None:
+            for entry, _stored, raw in fetch_verified(repo, checkpoint_id, p.pack_id, start, length, entries):
+                if entry.chunk_id == ids.zero_chunk_id(entry.raw_len):
+                    continue
+                for file_no, offset in p.chunks[entry.chunk_id][1]:
+                    os.pwrite(fds[file_no], raw, offset)
 
+        # A task per range, not per pack: a small checkpoint's one pack is still read by every worker.
         with ThreadPoolExecutor(workers, thread_name_prefix="ks-restore") as pool:
-            futures = [pool.submit(restore_pack, p) for p in plans.values()]
-            # Without an error, FIRST_EXCEPTION returns only once every pack is done.
+            futures = [pool.submit(restore_span, p, *span)
+                       for p in plans.values() for span in p.spans(repo.backend.read_span)]
+            # Without an error, FIRST_EXCEPTION returns only once every range is done.
             done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
             for future in not_done:
                 future.cancel()
