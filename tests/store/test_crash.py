@@ -19,7 +19,7 @@ from tests.store.conftest import ACCESS_KEY, SECRET_KEY, MiB, write_memory_image
 # The child stores packs normally until `n` are stored; then it hangs inside the next pack's save (for the local
 # backend: after the temporary file is written, before the rename), tells the parent, and waits to be killed.
 CHILD = textwrap.dedent("""
-    import os, sys, threading, time
+    import os, stat, sys, threading, time
     from pathlib import Path
     from keepstate.store import CheckpointMeta, ImageFile, LocalBackend, Repository, backend_from_url
 
@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
         time.sleep(600)
 
     def fsync(fd):
-        if threading.get_ident() == hanging:
+        if threading.get_ident() == hanging and stat.S_ISREG(os.fstat(fd).st_mode):  # the pack's file, not a folder
             hang()
         real_fsync(fd)
 

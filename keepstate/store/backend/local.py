@@ -76,7 +76,7 @@ class LocalBackend(Backend):
         path = self._path(key)
         tmp = path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dirs(path.parent)
             views = [memoryview(p).cast("B") for p in parts if len(p)]
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -104,6 +104,20 @@ class LocalBackend(Backend):
                 raise
             self._direct = False
         return self._direct
+
+    def _make_dirs(self, path: Path) -> None:
+        """Create `path` and its missing parents, each made durable in its own parent (a new pack folder's entry
+        must survive a crash as surely as the pack in it)."""
+        missing = []
+        while not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                pass  # made meanwhile by another writer
+            self._fsync_dir(folder.parent)
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:
