@@ -1,4 +1,9 @@
-"""Template services (e.g. the code interpreter): started with the agent, restarted with backoff when they die."""
+"""Template services (e.g. the code interpreter): started with the agent, restarted with backoff when they die.
+
+Each service's stdout and stderr go to `<log dir>/<name>.log` inside the sandbox (default /var/log/keepstate, or
+$KEEPSTATE_SERVICE_LOG_DIR), so that they can be read through the SDK like any file, and survive the service's
+restarts. At each start a log over LOG_ROTATE_BYTES becomes `<name>.log.1`, replacing the previous one.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,24 @@ log = logging.getLogger("keepstate.agent.services")
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 30.0  # a run this long resets the backoff
+LOG_DIR_ENV = "KEEPSTATE_SERVICE_LOG_DIR"
+DEFAULT_LOG_DIR = "/var/log/keepstate"
+LOG_ROTATE_BYTES = 8 << 20
+
+
+def open_log(name: str) -> int | None:
+    """A descriptor of the service's log file, opened for appending; None (inherit ours) if it cannot be."""
+    folder = os.environ.get(LOG_DIR_ENV) or DEFAULT_LOG_DIR
+    path = os.path.join(folder, f"{name}.log")
+    try:
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_size >= LOG_ROTATE_BYTES:
+                os.replace(path, path + ".1")
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        log.warning("service %s: no log file at %s (%s); its output goes to the agent's", name, path, e)
+        return None
 
 
 def next_backoff(previous: float, ran_for: float) -> float:
@@ -46,10 +69,16 @@ class Supervisor:
         if os.geteuid() == 0:
             identity = {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
         cwd = user.home if os.path.isdir(user.home) else "/"
-        popen = subprocess.Popen(  # noqa: S603 - commands come from the template
-            spec.command, stdin=subprocess.DEVNULL, cwd=cwd, env=env, umask=0o022, start_new_session=True,
-            close_fds=True, **identity,  # type: ignore[call-overload]
-        )
+        out = open_log(spec.name)
+        try:
+            popen = subprocess.Popen(  # noqa: S603 - commands come from the template
+                spec.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
+                cwd=cwd, env=env, umask=0o022, start_new_session=True, close_fds=True,
+                **identity,  # type: ignore[call-overload]
+            )
+        finally:
+            if out is not None:
+                os.close(out)
         exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
         def on_exit(status: int) -> None:

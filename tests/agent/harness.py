@@ -53,6 +53,7 @@ class AgentProcess:
         self.template_path = workdir / "template.json"
         self.template_path.write_text(json.dumps(template or {"user": "user", "workdir": "/home/user"}))
         self.log_path = workdir / "agent.log"
+        self.service_log_dir = workdir / "service-logs"
         self.python = python or os.environ.get("KEEPSTATE_AGENT_PYTHON") or sys.executable
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -67,6 +68,7 @@ class AgentProcess:
         self.sudo_dir = tempfile.mkdtemp(prefix="ks-sudo-")
         os.chmod(self.sudo_dir, 0o755)
         env["KEEPSTATE_SUDO_SOCKET"] = os.path.join(self.sudo_dir, "sudo.sock")
+        env["KEEPSTATE_SERVICE_LOG_DIR"] = str(self.service_log_dir)  # not the host's /var/log
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
         self.proc = subprocess.Popen(

@@ -97,3 +97,31 @@ def test_template_service_restarted(sandbox_user, tmp_path) -> None:  # type: ig
             return True
 
     assert eventually(lambda: gone(second))  # a stopped agent takes its services with it
+
+
+@pytest.mark.skipif(REMOTE, reason=HOST_ONLY_REASON)
+def test_template_service_output_goes_to_its_log_file(sandbox_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pid_file = tmp_path / "svc.pid"
+    template = {
+        "user": "user", "workdir": "/home/user",
+        "services": [{"name": "svc", "user": "root", "command": [
+            "/bin/sh", "-c", f"echo $$ >> {pid_file}; echo out-$$; echo err-$$ >&2; exec sleep 300"]}],
+    }
+    agent = AgentProcess(tmp_path, template)
+    log_file = agent.service_log_dir / "svc.log"
+    agent.service_log_dir.mkdir()
+    log_file.write_bytes(b"an old run\n" * (1 << 20))  # over 8 MiB: set aside at the next start
+    agent.start()
+    try:
+        assert eventually(lambda: pid_file.exists() and len(pid_file.read_text().split()) == 1)
+        first = int(pid_file.read_text().split()[0])
+        assert eventually(lambda: f"err-{first}" in log_file.read_text())
+        os.kill(first, signal.SIGKILL)
+        assert eventually(lambda: len(pid_file.read_text().split()) == 2)
+        second = int(pid_file.read_text().split()[1])
+        # Restarts append: both runs' stdout and stderr, in order; the old log was rotated, not appended to.
+        assert eventually(lambda: log_file.read_text().splitlines() == [
+            f"out-{first}", f"err-{first}", f"out-{second}", f"err-{second}"]), log_file.read_text()[:200]
+        assert (agent.service_log_dir / "svc.log.1").read_bytes().startswith(b"an old run\n")
+    finally:
+        agent.stop()

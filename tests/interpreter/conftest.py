@@ -92,6 +92,29 @@ def new_sandbox(keepstate: server.Server) -> Iterator[Callable[..., Sandbox]]:
         wait_bridge(sbx)
         return sbx
 
+    make.made = made  # type: ignore[attr-defined] # for the bridge logs of a failed test
     yield make
     for sbx in made:
         sbx.kill()
+
+
+BRIDGE_LOG = "/var/log/keepstate/code-interpreter.log"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the tail of the bridge log of every sandbox it used, read while the
+    sandboxes still live (their teardown comes after this report)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    args = getattr(item, "funcargs", {})
+    used = [args[name] for name in ("sandbox", "async_sandbox") if name in args]
+    used += getattr(args.get("new_sandbox"), "made", [])
+    for sbx in used:
+        try:
+            text = Sandbox.connect(sbx.sandbox_id).files.read(BRIDGE_LOG, user="root", request_timeout=10)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: say why there is none
+            text = f"(cannot read it: {type(exc).__name__}: {exc})"
+        report.sections.append((f"bridge log of sandbox {sbx.sandbox_id}", text[-6000:]))

@@ -106,3 +106,10 @@ async def test_async_concurrent_contexts(async_sandbox: AsyncSandbox) -> None:
         assert (ra.text, rb.text) == ("a", "b")
     finally:
         await asyncio.gather(async_sandbox.remove_code_context(a), async_sandbox.remove_code_context(b))
+
+
+def test_bridge_log_is_in_the_sandbox(sandbox: Sandbox) -> None:
+    from tests.interpreter.conftest import BRIDGE_LOG
+
+    # The template service's output: what a failed test's report shows (conftest.pytest_runtest_makereport).
+    assert "code interpreter listening on 0.0.0.0:49999" in sandbox.files.read(BRIDGE_LOG, user="root")

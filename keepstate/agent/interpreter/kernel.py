@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import pwd
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 # compiler, which has taken over a minute on 2 busy cores.
 START_TIMEOUT = 180.0
 ABORT_RETRIES = 3
+HALF_DONE_WARNING = 10.0  # seconds between an execution's reply and its idle status (either order) worth a log line
 
 
 class KernelError(RuntimeError):
@@ -201,6 +203,7 @@ class Kernel:
         msg_id = self._kc.execute(code, silent=silent, store_history=not silent, allow_stdin=False)
         self._waiters[msg_id] = queue
         generation = self.generation
+        half_done_since: float | None = None  # when the reply or the idle status came, and the other not yet
         try:
             while not output.done:
                 try:
@@ -210,6 +213,14 @@ class Kernel:
                         raise KernelError(f"kernel '{self.kernel_name}' was restarted during execution") from None
                     if not await self.is_alive():
                         raise KernelError(f"kernel '{self.kernel_name}' died during execution") from None
+                    if (output.idle or output.reply is not None) and half_done_since is None:
+                        half_done_since = time.monotonic()
+                    elif half_done_since is not None and time.monotonic() - half_done_since > HALF_DONE_WARNING:
+                        # Only one of the two channels has said the execution is over: evidence for the log.
+                        log.warning("execution %s on kernel '%s': %s for %.0f s, still waiting for %s", msg_id,
+                                    self.kernel_name, "idle" if output.idle else "replied",
+                                    time.monotonic() - half_done_since, "the reply" if output.idle else "idle")
+                        half_done_since = float("inf")  # said once
                     continue
                 for line in output.feed(msg):
                     yield line
