@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: unit and component tests, then the SDK tests against one shared KeepState
-# server with real gVisor sandboxes, with the newest e2b SDK and again with e2b==2.50.0.
+# server with real gVisor sandboxes, with the newest e2b SDK and again with e2b==2.50.0; the agent
+# tests run once more against an agent process on the host (what the router keeps private).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -33,8 +34,11 @@ export KEEPSTATE_TEST_KEY=$(KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate k
 
 status=0
 $BIN/python -m pytest -n 2 -p no:cacheprovider tests "$@" || status=$?
+echo "== agent tests in host mode: an agent process on this host behind a control-plane stub (/init, tokens)"
+env -u KEEPSTATE_TEST_API -u KEEPSTATE_TEST_KEY $BIN/python -m pytest -n 2 -p no:cacheprovider tests/agent \
+  || status=$?
 echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes"
-.venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent \
+KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent \
   || status=$?
 if [ $status -ne 0 ]; then
   echo "== server log (last 80 lines)"; tail -n 80 "$logs"

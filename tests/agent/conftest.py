@@ -34,6 +34,16 @@ USER = "user"
 def sandbox_user() -> str:
     if REMOTE:
         return USER  # the base template's default user
+    return _host_user()
+
+
+@pytest.fixture(scope="session")
+def host_user() -> str:
+    """The user of an agent these tests start on the host themselves, whether or not a server is under test."""
+    return _host_user()
+
+
+def _host_user() -> str:
     if os.geteuid() != 0:
         pytest.skip("the agent tests switch users and chown files: they must run as root")
     try:

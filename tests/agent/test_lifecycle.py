@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.harness import HOST_ONLY_REASON, REMOTE, AgentProcess, eventually
+from tests.agent.harness import AgentProcess, eventually
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -66,8 +66,7 @@ def test_no_zombies_left(sandbox) -> None:
     assert eventually(lambda: not any(s.startswith("Z") for s in states())), states()
 
 
-@pytest.mark.skipif(REMOTE, reason=HOST_ONLY_REASON)
-def test_template_service_restarted(sandbox_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_template_service_restarted(host_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
     pid_file = tmp_path / "svc.pid"
     template = {
         "user": "user", "workdir": "/home/user",
@@ -99,8 +98,7 @@ def test_template_service_restarted(sandbox_user, tmp_path) -> None:  # type: ig
     assert eventually(lambda: gone(second))  # a stopped agent takes its services with it
 
 
-@pytest.mark.skipif(REMOTE, reason=HOST_ONLY_REASON)
-def test_template_service_output_goes_to_its_log_file(sandbox_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_template_service_output_goes_to_its_log_file(host_user, tmp_path) -> None:  # type: ignore[no-untyped-def]
     pid_file = tmp_path / "svc.pid"
     template = {
         "user": "user", "workdir": "/home/user",
