@@ -22,7 +22,12 @@ KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$por
 server=$!
 cleanup() {
   kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true
-  rc_cleanup=$?
+  # The server's data directory (catalog, event logs, checkpoint store: ~200 MB) is kept only for a failed run.
+  if [ "${status:-1}" -eq 0 ]; then
+    rm -rf "$KEEPSTATE_TEST_HOME"
+  else
+    echo "== the test server's data directory is kept for inspection: $KEEPSTATE_TEST_HOME"
+  fi
 }
 trap cleanup EXIT
 for _ in $(seq 1 600); do
