@@ -110,11 +110,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when != "call" or not report.failed:
         return
     args = getattr(item, "funcargs", {})
-    used = [args[name] for name in ("sandbox", "async_sandbox") if name in args]
+    # The test's own handles, not Sandbox.connect: a connect would resume a sandbox that was paused or timed out,
+    # and show the log of the checkpoint, not of what went wrong. (An async_sandbox's handle lives on the test
+    # loop, out of reach here.)
+    used = [args["sandbox"]] if "sandbox" in args else []
     used += getattr(args.get("new_sandbox"), "made", [])
     for sbx in used:
         try:
-            text = Sandbox.connect(sbx.sandbox_id).files.read(BRIDGE_LOG, user="root", request_timeout=10)
+            text = sbx.files.read(BRIDGE_LOG, user="root", request_timeout=10)
         except Exception as exc:  # noqa: BLE001 - a diagnostic: say why there is none
             text = f"(cannot read it: {type(exc).__name__}: {exc})"
         report.sections.append((f"bridge log of sandbox {sbx.sandbox_id}", text[-6000:]))
