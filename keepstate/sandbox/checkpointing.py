@@ -196,9 +196,7 @@ class Checkpointing:
             # Recorded as retired until it is gone, so a server killed meanwhile reaps it when it starts again.
             row.doc["retired"] = {"name": sb["name"], "slot": sb["slot"]}
             self.catalog.put_sandbox(row)
-            await self._reap(replace(row, runtime_name=sb["name"], slot=sb["slot"]), keep_row=True)
-            row.doc.pop("retired", None)
-            self.catalog.put_sandbox(row)
+            await self._retire(row, replace(row, runtime_name=sb["name"], slot=sb["slot"]))
 
     async def trim_standbys(self: SandboxManager) -> None:
         """Release standbys older than standby_seconds, then the oldest until all fit in standby_mb."""

@@ -37,9 +37,9 @@ from keepstate.store import (
     Repository,
     StoreError,
     backend_from_url,
+    ids,
     restore_problems,
 )
-from keepstate.store import ids
 from keepstate.template import builder
 
 log = logging.getLogger("keepstate.sandbox")

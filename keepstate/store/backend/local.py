@@ -234,4 +234,3 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             else:
                 views[i] = v[n:]
                 break
-
