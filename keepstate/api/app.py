@@ -20,13 +20,14 @@ from aiohttp import web
 from keepstate.db.catalog import Catalog
 from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.runtime import network
-from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.runtime.base import Runtime
 from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
 
 from . import control, events
-from .keys import CATALOG, ENVD_VERSION, MANAGER
+from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER
 from .router import Router, target_of
 
 log = logging.getLogger("keepstate.api")
@@ -48,6 +49,7 @@ class ServerConfig:
     gateway_port: int = 3100
     standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
     standby_mb: int = 2048  # memory all standbys together may hold
+    runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
 
 
 def _envd_version() -> str:
@@ -81,15 +83,29 @@ class KeyCache:
         return hit[1]
 
 
-def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> web.Application:
+def runtime_for(config: ServerConfig) -> tuple[Runtime, Templates]:
+    if config.runtime == "fake":
+        from keepstate.testing import FakeRuntime, FakeTemplates
+
+        return FakeRuntime(), FakeTemplates()
+    from keepstate.runtime.gvisor import GVisorRuntime
+
+    return GVisorRuntime(config.home / "sandboxes"), BuiltTemplates()
+
+
+def create_app(config: ServerConfig, runtime: Runtime | None = None,
+               templates: Templates | None = None) -> web.Application:
     catalog = Catalog(config.home / "catalog.sqlite")
-    runtime = runtime or GVisorRuntime(config.home / "sandboxes")
+    if runtime is None:
+        runtime, default_templates = runtime_for(config)
+        templates = templates or default_templates
+    templates = templates or BuiltTemplates()
     envd_version = _envd_version()
     sessions = SessionDB(config.home / DB_FILE)
     event_log, lineage = EventLog(sessions), Lineage(sessions)
     poller = JournalPoller(event_log, interval=1.0)
     recorder = SessionRecorder(event_log, lineage, poller)
-    durable = Durability(config.home, runtime, config.store_url)
+    durable = Durability(config.home, runtime, templates, config.store_url)
     durable.clear_images()
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
@@ -102,8 +118,8 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
         gw_config.data_dir = config.home
         gateway_app = create_gateway_app(gw_config)
         gateway = gateway_app[GATEWAY]
-    manager = SandboxManager(catalog, runtime, recorder=recorder, durable=durable, pool_size=config.pool_size,
-                             agent_version=envd_version, host_name=socket.gethostname(), gateway=gateway,
+    manager = SandboxManager(catalog, runtime, templates=templates, recorder=recorder, durable=durable,
+                             pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb)
     router = Router(manager)
@@ -121,7 +137,7 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
             return await router.handle(request, row.sandbox_id, 49983)
         try:
             if request.path != "/health":
-                request["api_key_id"] = keys.check(request.headers.get("X-API-KEY"))
+                request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))
             return await handler(request)
         except KeepStateError as exc:
             return control.error_response(exc)
@@ -147,7 +163,7 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
 
     async def on_startup(app: web.Application) -> None:
         await poller.start()
-        if gateway_app is not None:
+        if gateway_app is not None and config.runtime != "fake":
             await asyncio.to_thread(network.ensure_gateway_address)
             runner = web.AppRunner(gateway_app, access_log=None)
             await runner.setup()
@@ -157,10 +173,10 @@ def create_app(config: ServerConfig, runtime: GVisorRuntime | None = None) -> we
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
+        await poller.stop()  # first: its pulls go through the manager's AgentClient
         await manager.stop(reap=config.reap_on_exit)
         for runner in gateway_runner:
             await runner.cleanup()
-        await poller.stop()
         await router.stop()
         durable.close()
         catalog.close()

@@ -10,3 +10,4 @@ from keepstate.sandbox.manager import SandboxManager
 MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
 CATALOG: web.AppKey[Catalog] = web.AppKey("catalog", Catalog)
 ENVD_VERSION: web.AppKey[str] = web.AppKey("envd_version", str)
+API_KEY_ID: web.RequestKey[str] = web.RequestKey("api_key_id", str)  # the caller's key, set by the middleware

@@ -13,16 +13,16 @@ import asyncio
 import base64
 import hashlib
 import re
-from collections import defaultdict
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from keepstate.db.catalog import SandboxRow
+from keepstate.ports import AGENT_PORT
+from keepstate.sandbox.agent_client import InFlight
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.record import SandboxRow
 
-AGENT_PORT = 49983
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length"}
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
@@ -60,62 +60,15 @@ def file_signature(path: str, op: str, user: str, token: str, exp: str | None) -
 
 
 class Router:
+    """Proxies data-plane requests; every connection into a sandbox is the AgentClient's (its quiesce gate)."""
+
     def __init__(self, manager: SandboxManager, max_upload: int = 2 << 30) -> None:
         self.manager = manager
+        self.agents = manager.agents
         self.max_upload = max_upload
-        # One connection pool per sandbox, so that all connections into one sandbox can be closed
-        # before it is checkpointed: a TCP connection open in gVisor's netstack at checkpoint time
-        # wedges the agent after restore.
-        self._clients: dict[str, aiohttp.ClientSession] = {}
-        # Transports of in-flight requests per sandbox (requests themselves are not hashable).
-        self._inflight: dict[str, set[asyncio.BaseTransport]] = defaultdict(set)
-        # Sandboxes being checkpointed while they keep running: new requests wait for the event.
-        self._holds: dict[str, asyncio.Event] = {}
-        manager.kill_listeners.append(self.abort)
-        manager.router = self
 
     async def stop(self) -> None:
-        for client in list(self._clients.values()):
-            await client.close()
-        self._clients.clear()
-
-    def _client_for(self, sandbox_id: str) -> aiohttp.ClientSession:
-        client = self._clients.get(sandbox_id)
-        if client is None or client.closed:
-            client = self._clients[sandbox_id] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            )
-        return client
-
-    def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
-        """Cut every in-flight stream of a sandbox; hand back its connection pool for closing."""
-        for transport in list(self._inflight.pop(sandbox_id, ())):
-            transport.close()
-        return self._clients.pop(sandbox_id, None)
-
-    def abort(self, sandbox_id: str) -> None:
-        """Drop every in-flight stream of a sandbox that was killed, paused or timed out."""
-        client = self._drop(sandbox_id)
-        if client is not None:
-            asyncio.get_running_loop().create_task(client.close())
-
-    async def quiesce(self, sandbox_id: str, hold: bool) -> None:
-        """Before a checkpoint: no connection into the sandbox may stay open.
-
-        With hold=True (the sandbox keeps running) new requests wait until release().
-        """
-        if hold:
-            self._holds.setdefault(sandbox_id, asyncio.Event())
-        client = self._drop(sandbox_id)
-        if client is not None:
-            await client.close()
-
-    def release(self, sandbox_id: str) -> None:
-        event = self._holds.pop(sandbox_id, None)
-        if event is not None:
-            event.set()
+        pass  # the AgentClient closes its pools when the manager stops
 
     def match_signed_file(self, request: web.Request) -> SandboxRow | None:
         sig = request.query.get("signature")
@@ -125,18 +78,13 @@ class Router:
         op = "read" if request.method == "GET" else "write"
         user = request.query.get("username", "")
         exp = request.query.get("signature_expiration")
-        for row in list(self.manager.live.values()):
+        for row in self.manager.running():
             if file_signature(path, op, user, row.access_token, exp) == sig:
                 return row
         return None
 
     async def handle(self, request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
-        hold = self._holds.get(sandbox_id)
-        if hold is not None:
-            try:
-                await asyncio.wait_for(hold.wait(), timeout=120)
-            except asyncio.TimeoutError:
-                pass
+        await self.agents.admit(sandbox_id)  # a snapshot or fork in progress: wait for it
         row = self.manager.route(sandbox_id)
         if row is None:
             return not_found(sandbox_id)
@@ -149,19 +97,14 @@ class Router:
                 {"code": 413, "message": f"upload of {request.content_length} bytes is larger than this "
                                          f"server's limit of {self.max_upload} bytes (keepstate serve --max-upload-mb)"},
                 status=413)
-        transport = request.transport
-        if transport is not None:
-            self._inflight[sandbox_id].add(transport)
-        try:
+        with self.agents.proxying(sandbox_id, request.transport) as flight:
             if request.headers.get("Upgrade", "").lower() == "websocket":
+                flight.started = True  # a cut WebSocket is closed, never answered
                 return await self._websocket(request, row, port)
-            return await self._http(request, row, port)
-        finally:
-            if transport is not None:
-                self._inflight.get(sandbox_id, set()).discard(transport)
+            return await self._http(request, row, port, flight)
 
-    async def _http(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
-        client = self._client_for(row.sandbox_id)
+    async def _http(self, request: web.Request, row: SandboxRow, port: int, flight: InFlight) -> web.StreamResponse:
+        client = self.agents.proxy_session(row.sandbox_id)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         data: Any = None
         if request.body_exists:
@@ -171,21 +114,26 @@ class Router:
         url = f"http://{row.address}:{port}{request.rel_url}"
         try:
             upstream_cm = client.request(request.method, url, headers=headers, data=data,
-                                               allow_redirects=False, compress=None)
+                                         allow_redirects=False, compress=None)
             upstream = await upstream_cm.__aenter__()
         except aiohttp.ClientConnectorError:
-            if self.manager.route(row.sandbox_id) is None:
+            if flight.cut or self.manager.route(row.sandbox_id) is None:
                 return not_found(row.sandbox_id)
             return port_closed(row.sandbox_id, port)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+            # Cut before its response started (the sandbox was killed, paused or checkpointed): a JSON 502.
             return not_found(row.sandbox_id)
+        flight.upstream.append(upstream)
         try:
+            if flight.cut:
+                return not_found(row.sandbox_id)
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
                 if k.lower() not in _HOP:
                     resp.headers.add(k, v)
             if upstream.headers.get("Content-Length") is not None and "Transfer-Encoding" not in upstream.headers:
                 resp.content_length = int(upstream.headers["Content-Length"])
+            flight.started = True
             await resp.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -202,7 +150,7 @@ class Router:
             await upstream_cm.__aexit__(None, None, None)
 
     async def _websocket(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
-        client = self._client_for(row.sandbox_id)
+        client = self.agents.proxy_session(row.sandbox_id)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")}
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]

@@ -13,9 +13,12 @@ import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from keepstate.sandbox.record import SandboxRow, Settings
+from keepstate.sandbox.state import State
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -62,26 +65,6 @@ class ApiKey:
     prefix: str
     created_at: float
     revoked_at: float | None = None
-
-
-@dataclass
-class SandboxRow:
-    """One sandbox, in every state: pooled (pre-started, unclaimed), running, paused, killed."""
-
-    sandbox_id: str
-    state: str
-    template_id: str
-    template_digest: str
-    runtime_name: str
-    slot: int
-    address: str
-    access_token: str
-    started_at: float
-    end_at: float
-    cpu: float
-    memory_mb: int
-    api_key_id: str | None = None
-    doc: dict[str, Any] = field(default_factory=dict)  # metadata, envVars, lifecycle, ...
 
 
 def hash_key(key: str) -> str:
@@ -153,7 +136,7 @@ class Catalog:
             "end_at=excluded.end_at, cpu=excluded.cpu, memory_mb=excluded.memory_mb, "
             "api_key_id=excluded.api_key_id, doc=excluded.doc",
             (s.sandbox_id, s.state, s.template_id, s.template_digest, s.runtime_name, s.slot, s.address,
-             s.access_token, s.started_at, s.end_at, s.cpu, s.memory_mb, s.api_key_id, json.dumps(s.doc)),
+             s.access_token, s.started_at, s.end_at, s.cpu, s.memory_mb, s.api_key_id, json.dumps(s.settings.to_json())),
         )
 
     def rename_sandbox(self, old_id: str, new: SandboxRow) -> None:
@@ -168,7 +151,7 @@ class Catalog:
                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (new.sandbox_id, new.state, new.template_id, new.template_digest, new.runtime_name,
                      new.slot, new.address, new.access_token, new.started_at, new.end_at, new.cpu,
-                     new.memory_mb, new.api_key_id, json.dumps(new.doc)))
+                     new.memory_mb, new.api_key_id, json.dumps(new.settings.to_json())))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -181,10 +164,10 @@ class Catalog:
         rows = self._q("SELECT * FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
         return self._sandbox(rows[0]) if rows else None
 
-    def sandboxes(self, states: tuple[str, ...] | None = None) -> list[SandboxRow]:
+    def sandboxes(self, states: tuple[State, ...] | None = None) -> list[SandboxRow]:
         if states:
             marks = ",".join("?" * len(states))
-            rows = self._q(f"SELECT * FROM sandboxes WHERE state IN ({marks})", states)
+            rows = self._q(f"SELECT * FROM sandboxes WHERE state IN ({marks})", tuple(str(s) for s in states))
         else:
             rows = self._q("SELECT * FROM sandboxes")
         return [self._sandbox(r) for r in rows]
@@ -218,9 +201,9 @@ class Catalog:
     @staticmethod
     def _sandbox(r: sqlite3.Row) -> SandboxRow:
         return SandboxRow(
-            sandbox_id=r["sandbox_id"], state=r["state"], template_id=r["template_id"],
+            sandbox_id=r["sandbox_id"], state=State(r["state"]), template_id=r["template_id"],
             template_digest=r["template_digest"], runtime_name=r["runtime_name"], slot=r["slot"],
             address=r["address"], access_token=r["access_token"], started_at=r["started_at"],
             end_at=r["end_at"], cpu=r["cpu"], memory_mb=r["memory_mb"], api_key_id=r["api_key_id"],
-            doc=json.loads(r["doc"]),
+            settings=Settings.from_json(json.loads(r["doc"])),
         )

@@ -1,7 +1,8 @@
 """The runtime seam: what a sandbox engine must do, whatever isolates the sandbox.
 
-gVisor (`runsc`) implements it today; a microVM runtime can implement the same five
-operations later without the API, the store or the agent changing.
+gVisor (`runsc`, runtime/gvisor.py) implements it; keepstate.testing.FakeRuntime implements it in-process for
+fast lifecycle tests (tests/runtime/test_conformance.py runs one suite against both); a microVM runtime can
+implement the same operations later without the API, the store or the agent changing.
 """
 
 from __future__ import annotations
@@ -67,16 +68,52 @@ class RuntimeFailure(Exception):
     """A runtime operation failed; the message says what and how to fix it."""
 
 
+class SlotTable(Protocol):
+    """Network slots, claimed host-wide (several servers may share a host); a slot records which instance holds it,
+    so a server can reap the instances of a data directory that is gone (runtime/network.py for gVisor)."""
+
+    max_slots: int
+
+    def claim(self, slot: int) -> bool:
+        """Claim a free slot; False if another holds it."""
+
+    def record_owner(self, slot: int, home: str, name: str) -> None: ...
+
+    def owner(self, slot: int) -> str | None:
+        """The instance recorded for a slot, or None (free, or claimed and not yet recorded)."""
+
+    def release(self, slot: int) -> None: ...
+
+    def orphaned(self) -> list[tuple[int, str]]:
+        """(slot, instance name) of every slot whose data directory is gone."""
+
+
 class Runtime(Protocol):
+    """A sandbox engine. Instances are named (unique on the host) and sit in a network slot; every method is
+    blocking (the sandbox package calls them from worker threads) and raises RuntimeFailure on failure.
+
+    Instance states, as `state` and `statuses` report them: "running", "paused" (frozen), "gone" (no such
+    instance), or another word of the engine's for an instance on its way out (e.g. "stopped")."""
+
     kind: str
+    release: str  # the engine's release: a checkpoint restores only on the same one
+    slots: SlotTable
+
+    def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
+        """Host set-up before the first sandbox (firewall rules); idempotent."""
 
     def create(self, spec: SandboxSpec, slot: int) -> Handle:
         """Start a sandbox in network slot `slot`; return once its root process runs (not yet its agent)."""
 
-    def is_alive(self, handle: Handle) -> bool: ...
+    def state(self, name: str) -> str:
+        """One instance's state (see the class docstring)."""
+
+    def is_alive(self, handle: Handle) -> bool:
+        """Running or frozen."""
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
-        """Write a consistent image of memory, processes and files into image_dir. A frozen sandbox stays frozen."""
+        """Write a consistent image of memory, processes and files into image_dir. A frozen sandbox stays frozen.
+        No connection may be open into the sandbox meanwhile (gVisor's restored agent wedges on one)."""
 
     def freeze(self, handle: Handle) -> None:
         """Stop every task of the sandbox where it is, holding its memory (a standby for a quick thaw)."""
@@ -88,10 +125,21 @@ class Runtime(Protocol):
         """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""
 
     def destroy(self, handle: Handle) -> None:
-        """Stop the sandbox and release everything it held; idempotent."""
+        """Stop the sandbox and release everything it held; idempotent. A slot of -1 leaves the network alone."""
 
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
-        """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit."""
+        """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit; {} if it has none."""
 
     def statuses(self) -> dict[str, str]:
-        """Every sandbox of this runtime on the host, by name: "running", "paused" (frozen), ... (for re-adoption)."""
+        """Every sandbox of this runtime on the host, by name, with its state (for re-adoption)."""
+
+
+def host_cpu_flags() -> list[str]:
+    """CPU feature flags of this host: a memory image may use any of them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []

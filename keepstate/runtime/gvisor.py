@@ -24,7 +24,9 @@ from typing import Any
 import keepstate
 
 from . import network
-from .base import Endpoint, Handle, RuntimeFailure, SandboxSpec
+from .base import Endpoint, Handle, RuntimeFailure, SandboxSpec, host_cpu_flags
+
+__all__ = ["GVisorRuntime", "HostSlots", "host_cpu_flags", "runsc_release", "have_runsc", "oci_spec"]
 
 AGENT_PORT = 49983
 CGROUP_PARENT = "keepstate"
@@ -100,6 +102,27 @@ def runsc_release() -> str:
     return m.group(1)
 
 
+class HostSlots:
+    """The host-wide slot table under /run/keepstate/slots (runtime/network.py)."""
+
+    max_slots = network.MAX_SLOTS
+
+    def claim(self, slot: int) -> bool:
+        return network.claim_slot(slot)
+
+    def record_owner(self, slot: int, home: str, name: str) -> None:
+        network.record_slot_owner(slot, home, name)
+
+    def owner(self, slot: int) -> str | None:
+        return network.slot_owner(slot)
+
+    def release(self, slot: int) -> None:
+        network.release_slot(slot)
+
+    def orphaned(self) -> list[tuple[int, str]]:
+        return network.orphaned_slots()
+
+
 class GVisorRuntime:
     kind = "gvisor"
 
@@ -108,6 +131,17 @@ class GVisorRuntime:
         self.root = runsc_root or Path("/run/keepstate/runsc")
         self.root.mkdir(parents=True, exist_ok=True)
         self.lib_dir = Path(keepstate.__file__).resolve().parent
+        self.slots = HostSlots()
+        self._release: str | None = None
+
+    @property
+    def release(self) -> str:
+        if self._release is None:
+            self._release = runsc_release()
+        return self._release
+
+    def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
+        network.install_firewall(open_ports)
 
     # -- helpers -------------------------------------------------------------------
     def _global_flags(self) -> list[str]:
@@ -249,17 +283,6 @@ class GVisorRuntime:
         except json.JSONDecodeError:
             return {}
         return {i["id"]: str(i.get("status")) for i in items}
-
-
-def host_cpu_flags() -> list[str]:
-    """CPU feature flags of this host: a memory image may use any of them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return []
 
 
 def have_runsc() -> bool:

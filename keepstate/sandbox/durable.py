@@ -14,18 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from keepstate.db.catalog import SandboxRow
 from keepstate.errors import KeepStateError, NotFound, Refused
-from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
-from keepstate.runtime.gvisor import GVisorRuntime, host_cpu_flags, runsc_release
+from keepstate.runtime.base import Handle, Runtime, RuntimeFailure, host_cpu_flags
 from keepstate.store import (
     CheckpointMeta,
     CorruptCheckpoint,
@@ -40,7 +36,10 @@ from keepstate.store import (
     ids,
     restore_problems,
 )
-from keepstate.template import builder
+from keepstate.template.builder import Built
+
+from .record import SandboxRow, portable
+from .templates import Templates, latest_digest
 
 log = logging.getLogger("keepstate.sandbox")
 
@@ -54,9 +53,10 @@ class CorruptCheckpointError(KeepStateError):
 
 
 class Durability:
-    def __init__(self, home: Path, runtime: GVisorRuntime, store_url: str | None = None) -> None:
+    def __init__(self, home: Path, runtime: Runtime, templates: Templates, store_url: str | None = None) -> None:
         self.home = home
         self.runtime = runtime
+        self.templates = templates
         self.store_url = store_url or f"file://{home / 'store'}"
         self.repo = Repository.open(backend_from_url(self.store_url), cache_dir=home / "cache" / "store")
         self.images = home / "images"
@@ -64,7 +64,7 @@ class Durability:
         for d in (self.images, self.fast_images):
             if d is not None:
                 d.mkdir(parents=True, exist_ok=True)
-        self.release = runsc_release()
+        self.release = runtime.release
         flags = set(host_cpu_flags())
         self.cpu_features = tuple(f for f in _ISA_FLAGS if f in flags)
 
@@ -125,9 +125,9 @@ class Durability:
         # committed pages in allocation order, so between two checkpoints the same pages move by whole pages
         # and fixed blocks would miss almost all of them (measured: benchmarks/checkpoint.py).
         files = [ImageFile(p.name, p, "file") for p in sorted(image.iterdir()) if p.is_file()]
-        labels = {"kind": kind, "sandbox": json.dumps(sandbox_doc(row), sort_keys=True)}
+        labels = {"kind": kind, "sandbox": json.dumps(portable(row), sort_keys=True)}
         meta = CheckpointMeta(
-            session_id=row.doc.get("session_id", row.sandbox_id), checkpoint_id=checkpoint_id, parent_id=parent_id,
+            session_id=row.session_id, checkpoint_id=checkpoint_id, parent_id=parent_id,
             template_id=row.template_id, template_digest=row.template_digest, runsc_release=self.release,
             cpu_features=self.cpu_features, sizes={"memory_mb": row.memory_mb, "cpu_millis": int(row.cpu * 1000)},
             event=event, labels=labels,
@@ -149,12 +149,12 @@ class Durability:
         except StoreError as exc:
             raise NotFound(f"checkpoint {checkpoint_id} not found in the store: {exc}") from exc
 
-    def template_for(self, manifest: Manifest) -> builder.Built:
+    def template_for(self, manifest: Manifest) -> Built:
         """The local build with the checkpoint's template digest; refuse clearly if there is none."""
         meta = manifest.meta
-        built = builder.find_by_digest(meta.template_id, meta.template_digest)
+        built = self.templates.find_by_digest(meta.template_id, meta.template_digest)
         host = HostFacts(runsc_release=self.release,
-                         template_digest=built.digest if built else _latest_digest(meta.template_id),
+                         template_digest=built.digest if built else latest_digest(self.templates, meta.template_id),
                          cpu_features=self.cpu_features)
         problems = restore_problems(manifest, host)
         if problems:
@@ -174,17 +174,6 @@ class Durability:
         except IncompatibleCheckpoint as exc:
             raise Refused(str(exc)) from exc
         return dest
-
-    def restore(self, image: Path, built: builder.Built, limits: Limits, slot: int,
-                keep_image: bool = False) -> Handle:
-        """Start a sandbox from a materialised image; several restores may share one image (forks)."""
-        name = "ks-" + secrets.token_hex(8)
-        spec = SandboxSpec(name=name, template=TemplateRoot(built.name, built.digest, built.rootfs), limits=limits)
-        try:
-            return self.runtime.restore(spec, image, slot)
-        finally:
-            if not keep_image:
-                shutil.rmtree(image, ignore_errors=True)
 
     def latest_for_session(self, session_id: str, kinds: tuple[str, ...] = ("pause",)) -> Manifest | None:
         found = [m for m in self.repo.list_checkpoints()
@@ -221,18 +210,3 @@ def _tmpfs_dir(home: Path) -> Path | None:
     if not os.access(shm, os.W_OK):
         return None
     return shm / f"keepstate-{ids.hexdigest(str(home.resolve()).encode())[:16]}"
-
-
-def _latest_digest(template_id: str) -> str:
-    try:
-        b = builder.latest(template_id)
-    except KeepStateError:
-        return ""
-    return b.digest if b else ""
-
-
-def sandbox_doc(row: SandboxRow) -> dict[str, Any]:
-    """What another server needs to bring the sandbox back under the same ID."""
-    return {"sandbox_id": row.sandbox_id, "template_id": row.template_id, "cpu": row.cpu,
-            "memory_mb": row.memory_mb, "access_token": row.access_token, "api_key_id": row.api_key_id,
-            "started_at": row.started_at, "doc": row.doc}

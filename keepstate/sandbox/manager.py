@@ -1,11 +1,13 @@
-"""The sandbox lifecycle, written down once (docs/design/sandbox-lifecycle.md).
+"""The sandbox manager: the one owner of sandboxes' records, executing lifecycle commands (state.py).
 
-    (pool) --claim--> running --kill / timeout--> killed (row deleted)
-    create (cold) -----^
+Every command on an existing sandbox runs inside `_command(sandbox_id, Command.X)`: the sandbox's lock is taken,
+its *current* record is read, the command is checked against the state table, and only then does it act. So
+concurrent commands on one sandbox are serialised, an illegal one is refused with a JSON 409 (or 404 once it is
+gone), and none acts on a record another command changed. While a command works, the record shows a transient
+state (PAUSING, CHECKPOINTING, RESUMING), which readers (list, info, router) see.
 
-Every transition is recorded in the catalog before it is visible to clients, so a server
-restarted after SIGKILL re-adopts running and pooled sandboxes from the catalog and the
-runtime's own state, and reaps only what is really gone.
+Every transition is written to the catalog before it is visible to clients, so a server restarted after SIGKILL
+re-adopts sandboxes from the catalog and the runtime's own state (adopt.py).
 """
 
 from __future__ import annotations
@@ -15,45 +17,43 @@ import contextlib
 import json
 import logging
 import secrets
-import string
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
-from keepstate.db.catalog import Catalog, SandboxRow
-from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Unavailable
-from keepstate.runtime import network
-from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
-from keepstate.runtime.gvisor import GVisorRuntime
+from keepstate.db.catalog import Catalog
+from keepstate.errors import BadRequest, NotFound, Unavailable, Unsupported
+from keepstate.runtime.base import Limits, Runtime
 from keepstate.session import SessionRecorder
-from keepstate.template import builder
-from keepstate.template.definition import load as load_definition
+from keepstate.session.journal import JournalBusy
+from keepstate.store import Manifest
+from keepstate.template.builder import Built
 
-from .checkpointing import Checkpointing
+from . import adopt, loops
+from .agent_client import AgentClient, Quiesced, agent_url
+from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
 from .durable import Durability
+from .gateway_runs import GatewayRuns
+from .instances import Instances, handle_of
 from .pool import Pool
+from .record import Instance, SandboxRow, Settings
+from .slots import Slots
+from .standby import StandbyCache
+from .state import Command, State, listed, require
+from .templates import Templates
+
+if TYPE_CHECKING:
+    from keepstate.gateway.gateway import Gateway
 
 log = logging.getLogger("keepstate.sandbox")
 
 DEFAULT_TIMEOUT = 300
 MAX_TIMEOUT = 24 * 3600
-AGENT_READY_TIMEOUT = 60.0
-SERVICE_READY_TIMEOUT = 180.0
-METRIC_INTERVAL = 5.0
-_ALPHABET = string.ascii_lowercase + string.digits
 
-
-def handle_of(row: SandboxRow) -> Handle:
-    """What the runtime needs to act on a sandbox: its runtime name and slot."""
-    return Handle(row.runtime_name, row.slot)
-
-
-def new_sandbox_id() -> str:
-    return "".join(secrets.choice(_ALPHABET) for _ in range(20))
+__all__ = ["CreateRequest", "DEFAULT_TIMEOUT", "MAX_FORKS", "MAX_TIMEOUT", "SandboxManager", "Spawned",
+           "check_timeout"]
 
 
 @dataclass
@@ -70,64 +70,56 @@ class CreateRequest:
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise BadRequest(f"`{field_name}` must be a whole number of seconds")
     if value > MAX_TIMEOUT:
         raise BadRequest("Timeout cannot be greater than 24 hours")
+    if value < -MAX_TIMEOUT:
+        raise BadRequest(f"`{field_name}` must be a whole number of seconds")
     return int(value)
 
 
-class SandboxManager(Checkpointing):
-    def __init__(self, catalog: Catalog, runtime: GVisorRuntime, *, recorder: SessionRecorder,
-                 durable: Durability, pool_size: int = 2, agent_version: str = "0.6.13",
-                 gateway: Any = None, gateway_url: str | None = None, host_name: str = "",
-                 standby_seconds: float = 300, standby_mb: int = 2048) -> None:
+class SandboxManager:
+    def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
+                 durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
+                 gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
+                 standby_mb: int = 2048) -> None:
         self.catalog = catalog
         self.runtime = runtime
+        self.templates = templates
         self.recorder = recorder
         self.durable = durable
-        self.gateway = gateway
-        self.gateway_url = gateway_url
         self.host_name = host_name
-        self.router: Any = None
-        self._pausing: set[str] = set()
-        self.standby_seconds = standby_seconds
-        self.standby_mb = standby_mb
-        self.standbys: dict[str, dict[str, Any]] = {}  # paused sandboxes still frozen in memory: doc["standby"]
-        self._freezing: set[str] = set()  # being checkpointed: no host call into its agent may start
-        self._agent_calls: Counter[str] = Counter()  # host calls into agents in flight, by sandbox
-        self._agent_idle = asyncio.Condition()
-        self._locks: dict[str, asyncio.Lock] = {}
         self.pool_size = pool_size
-        self.agent_version = agent_version
+        self.agents = AgentClient()
+        self.slots = Slots(runtime.slots, str(catalog.path.parent))
+        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates)
+        self.gateway = GatewayRuns(gateway, gateway_url)
+        self.checkpoints = Checkpoints(self.instances, durable, recorder, self.agents, self.gateway, runtime,
+                                       host_name)
+        self.standbys = StandbyCache(standby_seconds, standby_mb)
+        self.records: dict[str, SandboxRow] = {}  # every listed sandbox (running, paused, transient), by ID
         self.pools: dict[str, Pool] = {}
-        self.live: dict[str, SandboxRow] = {}  # running sandboxes by public ID: the router's table
         self.metrics: dict[str, deque[dict[str, Any]]] = {}
-        self._slots: set[int] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._http: aiohttp.ClientSession | None = None
-        self._killing: set[str] = set()
-        self._reaping: set[asyncio.Task[None]] = set()
-        self._builds: dict[str, asyncio.Task[builder.Built]] = {}
-        self.kill_listeners: list[Any] = []  # callables(sandbox_id) run when a sandbox dies
+        self._builds: dict[str, asyncio.Task[Built]] = {}
+        if recorder.poller is not None:
+            recorder.poller.fetch = self._journal_fetch
 
-    # -- start and stop --------------------------------------------------------------
+    # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
-        # No keep-alive: an idle connection left in a sandbox's netstack would wedge its agent after a restore.
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
-                                           connector=aiohttp.TCPConnector(limit=0, force_close=True))
-        await asyncio.to_thread(network.install_firewall, open_ports)
-        await self._adopt()
+        await self.agents.start()
+        await asyncio.to_thread(self.runtime.prepare, open_ports)
+        await adopt.adopt(self)
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._expire_loop(), name="expire"))
-        self._tasks.append(loop.create_task(self._metrics_loop(), name="metrics"))
+        self._tasks.append(loop.create_task(loops.expire_loop(self), name="expire"))
+        self._tasks.append(loop.create_task(loops.metrics_loop(self), name="metrics"))
         for name in warm:
-            try:
-                built = await asyncio.to_thread(builder.latest, name)
-            except KeepStateError:
-                built = None
-            if built is not None:
-                self._pool(built.digest, built.name).start()
+            with contextlib.suppress(Exception):
+                built = await asyncio.to_thread(self.templates.latest, name)
+                if built is not None:
+                    self.pool(built).start()
 
     async def stop(self, reap: bool = False) -> None:
         """Stop our loops; sandboxes and pools keep running for the next server to adopt.
@@ -136,127 +128,79 @@ class SandboxManager(Checkpointing):
         """
         for pool in self.pools.values():
             await pool.stop()
-        if reap:
-            rows = [r for p in self.pools.values() for r in p.drain()] + list(self.live.values())
-            self.live.clear()
-            await asyncio.gather(*(self._reap(r) for r in rows), return_exceptions=True)
-            await asyncio.gather(*(self._release_standby(s, "server stops") for s in list(self.standbys)),
-                                 return_exceptions=True)
-            await asyncio.gather(*self._reaping, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._http:
-            await self._http.close()
+        if reap:
+            rows = [r for p in self.pools.values() for r in p.drain()]
+            rows += [r for r in self.records.values() if r.runtime_name]
+            await asyncio.gather(*(self.instances.reap(r) for r in rows), return_exceptions=True)
+            await asyncio.gather(*(self._release_standby(s, "server stops") for s in self.standbys.ids()),
+                                 return_exceptions=True)
+            self.records.clear()
+        await self.instances.drain()
+        await self.agents.close()
 
-    async def _sweep_orphans(self) -> None:
-        """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
-        for slot, name in await asyncio.to_thread(network.orphaned_slots):
-            log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
-            try:
-                await asyncio.to_thread(self.runtime.destroy, Handle(name, slot))
-            except Exception as exc:
-                log.warning("destroy of orphan %s failed: %s", name, exc)
-            network.release_slot(slot)
-
-    async def _adopt(self) -> None:
-        await self._sweep_orphans()
-        rows = self.catalog.sandboxes()
-        statuses = await asyncio.to_thread(self.runtime.statuses)
-        alive = {name for name, status in statuses.items() if status == "running"}
-        frozen = {name for name, status in statuses.items() if status == "paused"}
-        latest: dict[str, str | None] = {}
-        for row in rows:
-            if row.template_id not in latest:
-                try:
-                    b = await asyncio.to_thread(builder.latest, row.template_id)
-                except KeepStateError:
-                    b = None
-                latest[row.template_id] = b.digest if b else None
-        for row in rows:
-            sb = row.doc.get("standby")
-            if sb is not None and row.state == "paused":
-                if sb["name"] in frozen:
-                    self.standbys[row.sandbox_id] = sb
-                    self._slots.add(sb["slot"])
-                    log.info("adopted the standby of paused sandbox %s", row.sandbox_id)
-                else:  # the host restarted or someone removed it: the checkpoint remains
-                    row.doc.pop("standby")
-                    row.doc["retired"] = {"name": sb["name"], "slot": sb["slot"]}
-            retired = row.doc.pop("retired", None)
-            if retired:  # an instance stopped by a pause whose teardown a crash interrupted
-                gone = replace(row, runtime_name=retired["name"], slot=retired["slot"])
-                await self._reap(gone, keep_row=True)
-                self.catalog.put_sandbox(row)
-            self._slots.add(row.slot)
-            if row.state == "running" and row.runtime_name in frozen:
-                # A pause froze it, then the server died before the checkpoint was published: it runs on.
-                try:
-                    await asyncio.to_thread(self.runtime.thaw, handle_of(row))
-                    alive.add(row.runtime_name)
-                    log.warning("sandbox %s was frozen by an unfinished pause; thawed it", row.sandbox_id)
-                except RuntimeFailure as exc:
-                    log.error("sandbox %s was frozen by an unfinished pause and cannot be thawed: %s",
-                              row.sandbox_id, exc)
-            stale_pool = row.state == "pooled" and latest.get(row.template_id) != row.template_digest
-            if row.state in ("running", "pooled") and row.runtime_name in alive and not stale_pool:
-                if row.state == "running":
-                    self.live[row.sandbox_id] = row
-                else:
-                    self._pool(row.template_digest, row.template_id).adopt(row)
-                log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
-            elif row.state in ("running", "pooled"):
-                log.warning("sandbox %s is gone; reaping", row.sandbox_id)
-                await self._reap(row)
-
-    def _pool(self, digest: str, template: str) -> Pool:
+    def pool(self, built: Built) -> Pool:
         """The warm pool of one template build (keyed by its digest: a rebuilt template gets a new pool)."""
-        pool = self.pools.get(digest)
+        pool = self.pools.get(built.digest)
         if pool is None:
-            pool = self.pools[digest] = Pool(digest, self.pool_size, lambda: self._start_pooled(template),
-                                             template=template)
+            pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
+                                                   lambda: self._start_pooled(built.name), template=built.name)
         return pool
 
-    # -- starting sandboxes ---------------------------------------------------------
-    def _alloc_slot(self) -> int:
-        for slot in range(1, network.MAX_SLOTS):
-            if slot not in self._slots and network.claim_slot(slot):
-                self._slots.add(slot)
-                return slot
-        raise Unavailable("no free network slots on this host")
-
-    async def _start(self, built: builder.Built, limits: Limits, state: str) -> SandboxRow:
-        slot = self._alloc_slot()
-        name = "ks-" + secrets.token_hex(8)
-        spec = SandboxSpec(name=name, template=TemplateRoot(built.name, built.digest, built.rootfs),
-                           limits=limits)
-        now = time.time()
-        row = SandboxRow(sandbox_id=name, state=state, template_id=built.name, template_digest=built.digest,
-                         runtime_name=name, slot=slot, address="", access_token="", started_at=now,
-                         end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
-        # Recorded before it exists, so a crash in between leaves a row to reap, not a stray sandbox.
-        self.catalog.put_sandbox(row)
-        network.record_slot_owner(slot, str(self.catalog.path.parent), name)
-        try:
-            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
-            assert handle.endpoint is not None
-            row.address = handle.endpoint.address
-            self.catalog.put_sandbox(row)
-            await self._wait_agent(row)
-            await self._wait_services(row, built)
-        except BaseException:
-            await self._reap(row)
-            raise
+    # -- reading ------------------------------------------------------------------------------------------------
+    def get(self, sandbox_id: str) -> SandboxRow:
+        row = self.records.get(sandbox_id)
+        if row is None or not listed(row.state):
+            raise NotFound(f"sandbox \"{sandbox_id}\" not found")
         return row
 
-    async def _built(self, template: str) -> builder.Built:
+    def listed(self) -> list[SandboxRow]:
+        return [r for r in self.records.values() if listed(r.state)]
+
+    def running(self) -> list[SandboxRow]:
+        return [r for r in self.records.values() if r.state in (State.RUNNING, State.CHECKPOINTING)]
+
+    def route(self, sandbox_id: str) -> SandboxRow | None:
+        """The sandbox a data-plane request may reach now, or None (the router answers 502)."""
+        row = self.records.get(sandbox_id)
+        if row is None or row.state not in (State.RUNNING, State.CHECKPOINTING) or not row.address:
+            return None
+        return row
+
+    def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
+        self.get(sandbox_id)
+        return [s for s in self.metrics.get(sandbox_id, ())
+                if (start is None or s["timestampUnix"] >= start) and (end is None or s["timestampUnix"] <= end)]
+
+    # -- the command gate ---------------------------------------------------------------------------------------
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        lock = self._locks.get(sandbox_id)
+        if lock is None:
+            lock = self._locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+    @contextlib.asynccontextmanager
+    async def _command(self, sandbox_id: str, command: Command) -> AsyncIterator[SandboxRow]:
+        async with self.lock(sandbox_id):
+            row = self.records.get(sandbox_id)
+            if row is None:
+                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+            require(command, row.state, sandbox_id)
+            yield row
+
+    def _set(self, row: SandboxRow, state: State) -> None:
+        row.state = state
+        self.catalog.put_sandbox(row)
+
+    # -- create -------------------------------------------------------------------------------------------------
+    async def _built(self, template: str) -> Built:
         """The template's latest build; a first use starts the build and asks the caller to retry."""
         try:
-            built = await asyncio.to_thread(builder.latest, template)
+            built = await asyncio.to_thread(self.templates.latest, template)
         except NotFound:
             raise NotFound(f"template '{template}' not found") from None
         if built is not None:
@@ -264,7 +208,7 @@ class SandboxManager(Checkpointing):
         task = self._builds.get(template)
         if task is None or task.done():
             self._builds[template] = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(builder.ensure_built, template))
+                asyncio.to_thread(self.templates.ensure_built, template))
         raise Unavailable(f"template '{template}' is being built for its first use (about a minute); "
                           f"retry then, or run `keepstate template build {template}` ahead of time")
 
@@ -273,88 +217,16 @@ class SandboxManager(Checkpointing):
         so that a create that brings no env vars of its own only has to claim it."""
         built = await self._built(template)
         d = built.defaults
-        row = await self._start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb), "pooled")
+        row = await self.instances.start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb))
         row.access_token = secrets.token_hex(16)
+        row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir)
         try:
-            await self._init_agent(row, dict(d.env), d.user, d.workdir)
+            await self.instances.init_agent(row, dict(d.env))
         except BaseException:
-            await self._reap(row)
+            await self.instances.reap(row)
             raise
         self.catalog.put_sandbox(row)
         return row
-
-    async def _wait_agent(self, row: SandboxRow, timeout: float = AGENT_READY_TIMEOUT) -> None:
-        assert self._http is not None
-        deadline = time.monotonic() + timeout
-        url = f"http://{row.address}:49983/health"
-        delay = 0.005
-        while True:
-            try:
-                async with self._http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status < 300:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeFailure(f"agent of {row.sandbox_id} did not answer within {timeout:.0f}s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
-
-    async def _wait_services(self, row: SandboxRow, built: builder.Built) -> None:
-        """A sandbox is handed out only once its template's services (e.g. the code interpreter) listen."""
-        try:
-            ports = [s.port for s in load_definition(built.name).services if s.port]
-        except KeepStateError:
-            ports = []
-        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
-        for port in ports:
-            while True:
-                try:
-                    _, writer = await asyncio.wait_for(asyncio.open_connection(row.address, port), timeout=2)
-                    writer.close()
-                    await writer.wait_closed()
-                    break
-                except (OSError, asyncio.TimeoutError):
-                    if time.monotonic() > deadline:
-                        raise RuntimeFailure(f"service port {port} of {row.sandbox_id} did not open within "
-                                             f"{SERVICE_READY_TIMEOUT:.0f}s") from None
-                    await asyncio.sleep(0.1)
-
-    async def _init_agent(self, row: SandboxRow, env: dict[str, str], user: str, workdir: str,
-                          previous_token: str | None = None, fork: bool = False) -> None:
-        assert self._http is not None
-        headers = {"X-Access-Token": previous_token} if previous_token else {}
-        body: dict[str, Any] = {
-            "accessToken": row.access_token, "envVars": env, "defaultUser": user, "defaultWorkdir": workdir,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "sandboxId": row.sandbox_id, "sessionId": row.doc.get("session_id", row.sandbox_id),
-        }
-        if fork:
-            body["fork"] = {"parent": row.doc.get("forked_from"), "checkpointId": row.doc.get("checkpoint_id")}
-        async with self._http.post(f"http://{row.address}:49983/init", json=body, headers=headers) as r:
-            if r.status >= 300:
-                raise RuntimeFailure(f"agent of {row.sandbox_id} refused init: {r.status} {await r.text()}")
-
-    def _sandbox_env(self, row: SandboxRow) -> dict[str, str]:
-        """Template env, then the metering gateway's variables, then the create request's own."""
-        env = dict(row.doc.get("templateEnv", {}))
-        if self.gateway is not None and self.gateway_url and row.doc.get("gateway", True):
-            token = row.doc.get("gatewayToken") or self.register_gateway_run(row)
-            env.update(self.gateway.sandbox_env(token, self.gateway_url))
-        env.update(row.doc.get("envVars", {}))
-        return env
-
-    def register_gateway_run(self, row: SandboxRow, parent_session: str | None = None) -> str:
-        """A new gateway run for this sandbox instance, bound to its current address.
-
-        Processes keep the token they were started with (it lives in their memory), so after a
-        restore or fork the gateway tells runs apart by the instance's address.
-        """
-        token: str = self.gateway.register_run(
-            row.doc.get("session_id", row.sandbox_id), row.sandbox_id, row.api_key_id, row.doc.get("checkpoint_id"),
-            parent_session_id=parent_session, source_ip=row.address)
-        row.doc["gatewayToken"] = token
-        return token
 
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         if req.timeout <= 0:
@@ -365,272 +237,294 @@ class SandboxManager(Checkpointing):
         built = await self._built(req.template_id)
         d = built.defaults
         limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
-        pool = self._pool(built.digest, built.name)
+        pool = self.pool(built)
         pool.start()
         row = pool.take() if limits == Limits(cpu=d.cpu, memory_mb=d.memory_mb) else None
         if row is None:
-            row = await self._start(built, limits, "pooled")
-        old_id = row.sandbox_id
+            row = await self.instances.start(built, limits)
+        require(Command.CREATE, row.state, row.sandbox_id)
+        old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
         now = time.time()
         row.sandbox_id = new_sandbox_id()
-        row.state = "running"
-        ready_token = row.access_token  # set when the pool initialised it; a cold start has none
         row.access_token = ready_token or secrets.token_hex(16)
-        row.started_at = now
-        row.end_at = now + req.timeout
+        row.started_at, row.end_at = now, now + req.timeout
         row.api_key_id = api_key_id
-        row.doc = {
-            "metadata": dict(req.metadata), "envVars": dict(req.env_vars), "templateEnv": dict(d.env),
-            "autoPause": req.auto_pause, "allowInternetAccess": req.allow_internet_access,
-            "user": d.user, "workdir": d.workdir, "session_id": row.sandbox_id, "gateway": req.gateway,
-        }
+        row.settings = Settings(session_id=row.sandbox_id, metadata=dict(req.metadata), env_vars=dict(req.env_vars),
+                                template_env=dict(d.env), auto_pause=req.auto_pause,
+                                allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
+                                gateway=req.gateway)
+        row.state = State.RUNNING
         try:
-            env = self._sandbox_env(row)
+            env = self.gateway.env(row)
             if not ready_token or env != dict(d.env):
                 # Something the pool could not know: this request's env vars, or its gateway token.
-                await self._init_agent(row, env, d.user, d.workdir, previous_token=ready_token or None)
+                await self.instances.init_agent(row, env, previous_token=ready_token or None)
             self.catalog.rename_sandbox(old_id, row)
         except BaseException:
-            await self._reap(row, catalog_id=old_id)
+            await self.instances.reap(row, catalog_id=old_id)
             raise
-        self.live[row.sandbox_id] = row
+        self.records[row.sandbox_id] = row
         self.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
-                              agent_url=f"http://{row.address}:49983", token=row.access_token)
+                              agent_url=agent_url(row.address), token=row.access_token)
         return row
 
     async def _create_from_snapshot(self, snap: dict[str, Any], req: CreateRequest,
                                     api_key_id: str | None) -> SandboxRow:
         manifest = await asyncio.to_thread(self.durable.manifest, snap["checkpoint_id"])
         info = json.loads(manifest.meta.labels["sandbox"])
-        parent = SandboxRow(sandbox_id=snap["sandbox_id"], state="running", template_id=info["template_id"],
+        settings = Settings.from_json(info["doc"])
+        settings.metadata = dict(req.metadata)
+        settings.env_vars = {**settings.env_vars, **req.env_vars}
+        settings.auto_pause = req.auto_pause
+        parent = SandboxRow(sandbox_id=snap["sandbox_id"], state=State.RUNNING, template_id=info["template_id"],
                             template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
                             access_token=info["access_token"], started_at=info["started_at"], end_at=0,
                             cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]), api_key_id=api_key_id,
-                            doc={**info["doc"], "metadata": dict(req.metadata),
-                                 "envVars": {**info["doc"].get("envVars", {}), **req.env_vars},
-                                 "autoPause": req.auto_pause})
-        result = (await self.spawn_from(manifest, parent, 1, req.timeout, api_key_id))[0]
-        if "error" in result:
-            raise result["error"]
-        return result["row"]
+                            settings=settings)
+        result = (await self._spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
+        if result.row is None:
+            assert result.error is not None
+            raise result.error
+        return result.row
 
-    # -- reading -------------------------------------------------------------------
-    def get(self, sandbox_id: str) -> SandboxRow:
-        row = self.live.get(sandbox_id) or self.catalog.get_sandbox(sandbox_id)
-        if row is None or row.state not in ("running", "paused"):
-            raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-        return row
-
-    def listed(self) -> list[SandboxRow]:
-        return self.catalog.sandboxes(("running", "paused"))
-
-    def route(self, sandbox_id: str) -> SandboxRow | None:
-        row = self.live.get(sandbox_id)
-        if row is None or sandbox_id in self._killing or sandbox_id in self._pausing:
-            return None
-        return row
-
-    # -- changing ------------------------------------------------------------------
+    # -- commands on one sandbox --------------------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
-        row = self.get(sandbox_id)
-        if row.state != "running":
-            raise Conflict(f"sandbox '{sandbox_id}' is {row.state}; connect to resume it first")
-        row.end_at = time.time() + max(0, seconds)
-        self.catalog.put_sandbox(row)
-        self.recorder.record(row.doc.get("session_id", sandbox_id), "sandbox.timeout.set", {"timeout": seconds})
-        if seconds <= 0:
-            await self._expire(row)
+        async with self._command(sandbox_id, Command.SET_TIMEOUT) as row:
+            row.end_at = time.time() + max(0, seconds)
+            self.catalog.put_sandbox(row)
+            self.recorder.record(row.session_id, "sandbox.timeout.set", {"timeout": seconds})
+            if seconds <= 0:
+                await self._expire(row)
 
-    async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
-        row = self.live.get(sandbox_id) or self.catalog.get_sandbox(sandbox_id)
-        if row is None or row.state not in ("running", "paused"):
-            row = await asyncio.to_thread(self._row_from_store, sandbox_id)
-            if row is None:
-                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-        async with self._lock(sandbox_id):
-            if row.state == "running":
-                row.end_at = max(row.end_at, time.time() + timeout)  # never shortened
-                self.catalog.put_sandbox(row)
-                self.recorder.record(row.doc.get("session_id", sandbox_id), "sandbox.connect", {"timeout": timeout})
-                return row, False
-            return await self._resume(row, timeout), True
-
-    async def kill(self, sandbox_id: str) -> None:
-        row = self.get(sandbox_id)
-        if row.state == "paused":
-            await self.kill_paused(row)
-            return
-        await self._kill(row)
-
-    async def _kill(self, row: SandboxRow, reason: str = "kill") -> None:
-        if row.state == "killed":
-            # A second kill would release its network slot twice, the second time from under whichever
-            # sandbox has claimed the slot since.
-            return
-        self._killing.add(row.sandbox_id)
-        self.live.pop(row.sandbox_id, None)
-        row.state = "killed"
-        self.catalog.put_sandbox(row)
-        self.recorder.killed(row.doc.get("session_id", row.sandbox_id), reason)
-        if self.gateway is not None and row.doc.get("gatewayToken"):
-            self.gateway.end_run(row.doc["gatewayToken"])
-        for listener in self.kill_listeners:
-            listener(row.sandbox_id)
-        # Teardown takes a second or two; the sandbox is already unreachable, so do it in the background.
-        self._in_background(self._reap(row))
-
-    def _in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
-        """Run a teardown after the caller has answered; stop(reap=True) waits for every one of them."""
-        task = asyncio.get_running_loop().create_task(teardown)
-        self._reaping.add(task)
-        task.add_done_callback(self._reaping.discard)
-
-    def _release_slot(self, slot: int) -> None:
-        network.release_slot(slot)
-        self._slots.discard(slot)
-
-    async def _reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
-        """Destroy the runtime side of a sandbox; drop its catalog row unless keep_row (paused)."""
-        slot = row.slot
-        owner = network.slot_owner(slot) if slot >= 0 else None
-        if owner is not None and row.runtime_name and owner != row.runtime_name:
-            # Reaped before, and the slot has been claimed by another sandbox since: not ours to tear down.
-            log.warning("slot %d of %s belongs to %s now; leaving it", slot, row.runtime_name, owner)
-            slot = -1
-        if row.runtime_name:
-            try:
-                await asyncio.to_thread(self.runtime.destroy, Handle(row.runtime_name, slot))
-            except Exception as exc:
-                log.warning("destroy of %s failed: %s", row.runtime_name, exc)
-        if not keep_row:
-            self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        if slot >= 0:
-            self._release_slot(slot)
-        self._killing.discard(row.sandbox_id)
-        self.metrics.pop(row.sandbox_id, None)
+    async def expire(self, sandbox_id: str) -> None:
+        """Its end time passed (the expiry loop): kill it, or pause it if it asked for autoPause."""
+        async with self._command(sandbox_id, Command.EXPIRE) as row:
+            if row.end_at <= time.time():
+                await self._expire(row)
 
     async def _expire(self, row: SandboxRow) -> None:
-        if row.doc.get("autoPause"):
+        if row.settings.auto_pause:
             log.info("sandbox %s reached its timeout; pausing it (autoPause)", row.sandbox_id)
             try:
-                await self.pause(row.sandbox_id)
+                await self._pause(row)
                 return
             except Exception as exc:  # never lose it silently: a failed pause leaves it running
                 log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
                 row.end_at = time.time() + 60
+                self.catalog.put_sandbox(row)
                 return
         log.info("sandbox %s reached its timeout", row.sandbox_id)
-        await self._kill(row, "timeout")
+        self._kill_running(row, "timeout")
 
-    async def _expire_loop(self) -> None:
-        while True:
-            now = time.time()
-            for row in list(self.live.values()):
-                if row.end_at <= now and row.sandbox_id not in self._killing and row.sandbox_id not in self._pausing:
-                    try:
-                        await self._expire(row)
-                    except Exception as exc:
-                        log.warning("expiry of %s failed: %s", row.sandbox_id, exc)
-            if self.standbys:
-                try:
-                    await self.trim_standbys()
-                except Exception as exc:
-                    log.warning("releasing standbys failed: %s", exc)
-            await asyncio.sleep(0.25)
+    async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
+        """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes."""
+        if sandbox_id not in self.records:
+            async with self.lock(sandbox_id):
+                if sandbox_id not in self.records:
+                    row = await asyncio.to_thread(self._row_from_store, sandbox_id)
+                    if row is None:
+                        raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+                    self.records[sandbox_id] = row
+        async with self._command(sandbox_id, Command.CONNECT) as row:
+            if row.state == State.RUNNING:
+                row.end_at = max(row.end_at, time.time() + timeout)
+                self.catalog.put_sandbox(row)
+                self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
+                return row, False
+            await self._resume(row, timeout)
+            return row, True
 
-    # -- metrics -------------------------------------------------------------------
-    async def _metrics_loop(self) -> None:
-        last: dict[str, tuple[float, int]] = {}
-        while True:
-            for row in list(self.live.values()):
-                if row.sandbox_id in self._freezing or row.sandbox_id in self._pausing:
-                    continue  # being checkpointed, or frozen by a pause until it is published
-                try:
-                    sample = await self._sample(row, last)
-                except Exception as exc:  # a sandbox dying mid-sample is normal
-                    log.debug("metrics of %s: %s", row.sandbox_id, exc)
-                    continue
-                if sample:
-                    self.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
-                else:
-                    await self._check_alive(row)
-            await asyncio.sleep(METRIC_INTERVAL)
-
-    async def _check_alive(self, row: SandboxRow) -> None:
-        """No cgroup figures: the sandbox may have died (OOM kill, crash). If runsc agrees, record it gone."""
-        sid = row.sandbox_id
-        if self.live.get(sid) is not row or sid in self._killing or sid in self._pausing or sid in self._freezing:
-            return  # killed, paused or replaced meanwhile, or frozen by a checkpoint: not ours to declare dead
-        if not await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
-            log.warning("sandbox %s died (its runsc container is gone: out of memory or a crash)", row.sandbox_id)
-            await self._kill(row, "died")
-
-    async def _sample(self, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
-        stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle_of(row))
-        if not stats:
-            return None
-        now = time.time()
-        cpu_ns = stats.get("cpu_ns", 0)
-        prev = last.get(row.sandbox_id)
-        last[row.sandbox_id] = (now, cpu_ns)
-        pct = 0.0
-        if prev and now > prev[0]:
-            pct = max(0.0, (cpu_ns - prev[1]) / 1e9 / (now - prev[0]) / max(row.cpu, 1) * 100)
-        disk_used = disk_total = 0
-        assert self._http is not None
+    async def _resume(self, row: SandboxRow, timeout: int) -> None:
+        self._set(row, State.RESUMING)
+        source = "store"
         try:
-            async with self._agent_call(row.sandbox_id) as allowed:
-                if not allowed:
-                    return None
-                async with self._http.get(f"http://{row.address}:49983/metrics",
-                                          headers={"X-Access-Token": row.access_token},
-                                          timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        m = await r.json()
-                        disk_used, disk_total = int(m.get("disk_used", 0)), int(m.get("disk_total", 0))
-        except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
-            # The agent does not answer: if runsc says the sandbox is gone (its sentry was OOM-killed), say so.
-            await self._check_alive(row)
-            if row.sandbox_id not in self.live:
-                return None
-        except (aiohttp.ClientError, ValueError):
-            pass
-        mem_total = min(stats.get("mem_limit", 0), row.memory_mb * 1024 * 1024) or row.memory_mb * 1024 * 1024
-        return {
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
-            "timestampUnix": int(now), "cpuCount": int(row.cpu), "cpuUsedPct": round(pct, 2),
-            "memUsed": stats.get("mem_used", 0), "memTotal": mem_total, "memCache": stats.get("mem_cache", 0),
-            "diskUsed": disk_used, "diskTotal": disk_total,
-        }
+            standby = row.settings.standby
+            if standby is not None:
+                self.standbys.discard(row.sandbox_id)
+                row.settings.standby = None
+                if await self.checkpoints.thaw(row, standby, timeout):
+                    source = "standby"
+            if source == "store":
+                await self.checkpoints.restore(row, timeout)
+        except BaseException:
+            row.runtime_name, row.slot, row.address = "", -1, ""
+            self._set(row, State.PAUSED)
+            raise
+        self._set(row, State.RUNNING)
+        assert row.settings.checkpoint_id is not None
+        self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
+                              agent_url=agent_url(row.address), token=row.access_token, source=source)
 
-    @contextlib.asynccontextmanager
-    async def _agent_call(self, sandbox_id: str) -> AsyncIterator[bool]:
-        """Around a host-initiated call into a sandbox's agent: yields False (make no call) while the sandbox
-        is being checkpointed; a checkpoint waits for calls in flight (see Checkpointing._frozen)."""
-        if sandbox_id in self._freezing:
-            yield False
-            return
-        self._agent_calls[sandbox_id] += 1
+    async def pause(self, sandbox_id: str, memory: bool = True) -> str:
+        if not memory:
+            self.get(sandbox_id)  # an unknown sandbox is still a 404
+            raise Unsupported("a filesystem-only pause (memory: false) is not supported by the gVisor runtime: "
+                              "its root filesystem lives in the sandbox's memory; pause with memory instead")
+        async with self._command(sandbox_id, Command.PAUSE) as row:
+            return await self._pause(row)
+
+    async def _pause(self, row: SandboxRow) -> str:
+        self._set(row, State.PAUSING)
+        self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
         try:
-            yield True
+            manifest = await self.checkpoints.take(row, "pause")
+        except BaseException:
+            self._set(row, State.RUNNING)
+            raise
+        instance = row.instance()
+        row.settings.checkpoint_id = manifest.checkpoint_id
+        if self.standbys.enabled:
+            # The instance stays frozen in exactly the checkpoint's state: resuming it soon is a thaw.
+            stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle_of(row))
+            standby = Instance(instance.name, instance.slot, instance.address, since=time.time(),
+                               mem=stats.get("mem_used") or row.memory_mb << 20)
+            row.settings.standby = standby
+            self.standbys.add(row.sandbox_id, standby)
+        else:
+            # Torn down in the background; remembered until then, so a server killed meanwhile reaps it.
+            row.settings.retired = instance
+        retired = row.with_instance(instance)
+        row.runtime_name, row.address, row.slot = "", "", -1
+        self._set(row, State.PAUSED)
+        self.recorder.paused(row.session_id, manifest.checkpoint_id, True)
+        if row.settings.retired is not None:
+            self.instances.in_background(self._retire(row.sandbox_id, retired))
+        return manifest.checkpoint_id
+
+    async def _retire(self, sandbox_id: str, instance_row: SandboxRow) -> None:
+        """Tear down an instance a pause stopped (or a released standby), then forget it in the record."""
+        await self.instances.reap(instance_row, keep_row=True)
+        async with self.lock(sandbox_id):
+            row = self.records.get(sandbox_id)
+            if row is not None and row.settings.retired is not None \
+                    and row.settings.retired.name == instance_row.runtime_name:
+                row.settings.retired = None
+                self.catalog.put_sandbox(row)
+
+    async def _release_standby(self, sandbox_id: str, why: str) -> None:
+        """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
+        async with self.lock(sandbox_id):
+            self.standbys.discard(sandbox_id)
+            row = self.records.get(sandbox_id)
+            if row is None or row.state != State.PAUSED or row.settings.standby is None:
+                return
+            log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
+            standby, row.settings.standby = row.settings.standby, None
+            row.settings.retired = standby  # until it is gone: a server killed meanwhile reaps it on start
+            self.catalog.put_sandbox(row)
+        await self._retire(sandbox_id, row.with_instance(standby))
+
+    async def trim_standbys(self) -> None:
+        for sandbox_id, why in self.standbys.due(time.time()):
+            await self._release_standby(sandbox_id, why)
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
+        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
+            raise BadRequest("`name` must be a non-empty string of at most 128 characters")
+        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
+            manifest = await self._checkpoint_running(row, "snapshot")
+        snapshot_id = f"snapshot-{manifest.checkpoint_id.lower()}"
+        names = [name.strip()] if name else [snapshot_id]
+        self.catalog.put_snapshot(snapshot_id, names, manifest.checkpoint_id, sandbox_id, row.template_id)
+        return {"snapshotID": snapshot_id, "names": names}
+
+    async def _checkpoint_running(self, row: SandboxRow, kind: str) -> Manifest:
+        self._set(row, State.CHECKPOINTING)
+        try:
+            manifest = await self.checkpoints.take(row, kind)
+            row.settings.checkpoint_id = manifest.checkpoint_id
         finally:
-            self._agent_calls[sandbox_id] -= 1
-            if not self._agent_calls[sandbox_id]:
-                del self._agent_calls[sandbox_id]
-                async with self._agent_idle:
-                    self._agent_idle.notify_all()
+            self._set(row, State.RUNNING)
+        return manifest
 
-    async def _agent_calls_done(self, sandbox_id: str) -> None:
-        async with self._agent_idle:
-            await self._agent_idle.wait_for(lambda: not self._agent_calls[sandbox_id])
+    def find_snapshot(self, ref: str) -> dict[str, Any] | None:
+        snap = self.catalog.get_snapshot(ref)
+        if snap is not None:
+            return snap
+        for s in self.catalog.snapshots():
+            if ref in s["names"] or ref.split(":")[0] in s["names"]:
+                return s
+        return None
 
-    def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
-        self.get(sandbox_id)
-        out = []
-        for s in self.metrics.get(sandbox_id, ()):
-            if start is not None and s["timestampUnix"] < start:
-                continue
-            if end is not None and s["timestampUnix"] > end:
-                continue
-            out.append(s)
-        return out
+    async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
+        async with self._command(sandbox_id, Command.FORK) as row:
+            manifest = await self._checkpoint_running(row, "fork")
+            parent = row.copy()
+        return await self._spawn(manifest, parent, count, timeout)
+
+    async def _spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
+                     api_key_id: str | None = None) -> list[Spawned]:
+        results = await self.checkpoints.spawn(manifest, parent, count, timeout, api_key_id)
+        for r in results:
+            if r.row is not None:
+                self.records[r.row.sandbox_id] = r.row
+                self.recorder.forked(parent.session_id, r.row.sandbox_id, manifest.checkpoint_id,
+                                     agent_url=agent_url(r.row.address), token=r.row.access_token)
+        return results
+
+    async def kill(self, sandbox_id: str, reason: str = "kill") -> None:
+        async with self._command(sandbox_id, Command.KILL) as row:
+            if row.state == State.PAUSED:
+                await self._kill_paused(row)
+            else:
+                self._kill_running(row, reason)
+
+    async def died(self, sandbox_id: str, runtime_name: str) -> None:
+        """The metrics loop found the instance gone (OOM kill, crash): record it dead, if it still is that one."""
+        with contextlib.suppress(NotFound):
+            async with self._command(sandbox_id, Command.KILL) as row:
+                if row.state != State.RUNNING or row.runtime_name != runtime_name:
+                    return  # paused, resumed or replaced meanwhile: not ours to declare dead
+                if await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
+                    return
+                log.warning("sandbox %s died (its instance is gone: out of memory or a crash)", sandbox_id)
+                self._kill_running(row, "died")
+
+    def _kill_running(self, row: SandboxRow, reason: str) -> None:
+        """Unreachable at once; the teardown (a second or two) runs in the background."""
+        self.records.pop(row.sandbox_id, None)
+        self._set(row, State.KILLED)
+        self.agents.abort(row.sandbox_id)
+        self.recorder.killed(row.session_id, reason)
+        self.gateway.end(row)
+        self.metrics.pop(row.sandbox_id, None)
+        self.instances.in_background(self.instances.reap(row.copy()))
+
+    async def _kill_paused(self, row: SandboxRow) -> None:
+        self.records.pop(row.sandbox_id, None)
+        self.standbys.discard(row.sandbox_id)
+        for inst in (row.settings.standby, row.settings.retired):
+            if inst is not None:
+                self.instances.in_background(self.instances.reap(row.with_instance(inst), keep_row=True))
+        self.catalog.delete_sandbox(row.sandbox_id)
+        row.state = State.KILLED
+        self.gateway.end(row)
+        self.recorder.killed(row.session_id, "kill")
+
+    # -- shared store ---------------------------------------------------------------------------------------------
+    def _row_from_store(self, sandbox_id: str) -> SandboxRow | None:
+        """A sandbox this server never saw, whose pause checkpoint is in the shared store."""
+        manifest = self.durable.latest_for_session(sandbox_id)
+        if manifest is None:
+            return None
+        info: dict[str, Any] = json.loads(manifest.meta.labels["sandbox"])
+        settings = Settings.from_json(info["doc"])
+        settings.checkpoint_id = manifest.checkpoint_id
+        settings.standby = settings.retired = None
+        row = SandboxRow(sandbox_id=sandbox_id, state=State.PAUSED, template_id=info["template_id"],
+                         template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
+                         access_token=info["access_token"], started_at=float(info["started_at"]),
+                         end_at=time.time(), cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]),
+                         api_key_id=info.get("api_key_id"), settings=settings)
+        self.catalog.put_sandbox(row)
+        if self.recorder.lineage.session(row.session_id) is None:
+            self.recorder.lineage.record_session(row.session_id, row.template_id)
+        return row
+
+    async def _journal_fetch(self, session_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
+        try:
+            return await self.agents.journal(session_id, url, token, after, limit)
+        except Quiesced as exc:
+            raise JournalBusy(str(exc)) from None

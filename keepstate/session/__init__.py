@@ -12,7 +12,7 @@ from keepstate.store.manifest import EventRef
 from .chain import VerifyResult, verify_events
 from .db import CheckpointRow, SessionDB, SessionRow
 from .event import GENESIS, Event, canonical, event_hash
-from .journal import JournalError, JournalPoller, pull_journal
+from .journal import JournalBusy, JournalError, JournalPoller, pull_journal
 from .lineage import Lineage
 from .log import EventLog
 from .recorder import SessionRecorder

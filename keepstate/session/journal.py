@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -60,24 +60,44 @@ def parse_page(body: Any, after: int) -> Page:
     return out, nxt, oldest if isinstance(oldest, int) else None, newest if isinstance(newest, int) else None
 
 
+Fetch = Callable[[str, str, str, int, int], Awaitable[tuple[int, Any]]]
+"""(session_id, agent_url, token, after, limit) -> (HTTP status, body: JSON if 200, else text). The server's is
+AgentClient.journal, which refuses (JournalBusy) while the sandbox is being checkpointed."""
+
+
+class JournalBusy(Exception):
+    """The agent must not be called right now (its sandbox is being checkpointed): skip, it is not a failure."""
+
+
+def session_fetch(http: aiohttp.ClientSession) -> Fetch:
+    """A Fetch over a plain aiohttp session (tests, tools)."""
+
+    async def fetch(session_id: str, agent_url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
+        async with http.get(agent_url.rstrip("/") + "/journal", params={"after": str(after), "limit": str(limit)},
+                            headers={"X-Access-Token": token}, timeout=TIMEOUT) as resp:
+            if resp.status != 200:
+                return resp.status, (await resp.text())[:200]
+            return resp.status, await resp.json(content_type=None)
+
+    return fetch
+
+
 async def pull_journal(log_: EventLog, session_id: str, agent_url: str, token: str, cursor: int,
-                       http: aiohttp.ClientSession, *, page: int = PAGE) -> int:
+                       http: aiohttp.ClientSession | Fetch, *, page: int = PAGE) -> int:
     """Pull every journal entry after `cursor` into the session's log; returns the new cursor.
 
     Each page is appended in one transaction that also moves the stored cursor, compare-and-set on `cursor`: if
     another puller already moved it, nothing is appended and the stored cursor is returned.
     """
+    fetch = session_fetch(http) if isinstance(http, aiohttp.ClientSession) else http
     url = agent_url.rstrip("/") + "/journal"
     for _ in range(MAX_PAGES):
         try:
-            async with http.get(url, params={"after": str(cursor), "limit": str(page)},
-                                headers={"X-Access-Token": token}, timeout=TIMEOUT) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:200]
-                    raise JournalError(f"GET {url} answered {resp.status}: {text}")
-                body = await resp.json(content_type=None)
+            status, body = await fetch(session_id, agent_url, token, cursor, page)
         except aiohttp.ClientError as exc:
             raise JournalError(f"GET {url} failed: {exc}") from exc
+        if status != 200:
+            raise JournalError(f"GET {url} answered {status}: {body}")
         entries, _, oldest, last = parse_page(body, cursor)
         if not entries and last is not None and last < cursor:
             # the agent's journal ends before our cursor: it is not the journal we were reading (the agent
@@ -118,7 +138,7 @@ class JournalPoller:
 
         poller = JournalPoller(event_log)
         await poller.start()
-        poller.track(sandbox_id, f"http://{ip}:49983", access_token)
+        poller.track(sandbox_id, f"http://{ip}:{AGENT_PORT}", access_token)
         await poller.pull_now(sandbox_id)      # before a checkpoint
         async with poller.hold(sandbox_id):    # while the sandbox is frozen: no pull starts
             ...
@@ -126,11 +146,13 @@ class JournalPoller:
         await poller.stop()
     """
 
-    def __init__(self, log_: EventLog, interval: float = 1.0, http: aiohttp.ClientSession | None = None) -> None:
+    def __init__(self, log_: EventLog, interval: float = 1.0, http: aiohttp.ClientSession | None = None,
+                 fetch: Fetch | None = None) -> None:
         self.log = log_
         self.interval = interval
         self._http = http
         self._own_http = http is None
+        self.fetch = fetch
         self._sessions: dict[str, _Tracked] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -159,7 +181,8 @@ class JournalPoller:
         if t is None:
             raise KeyError(f"session {session_id} is not tracked")
         async with t.lock:
-            t.cursor = await pull_journal(self.log, session_id, t.agent_url, t.token, t.cursor, self._client())
+            t.cursor = await pull_journal(self.log, session_id, t.agent_url, t.token, t.cursor,
+                                          self.fetch or self._client())
             t.failures = t.skip = 0
             return t.cursor
 
@@ -207,7 +230,9 @@ class JournalPoller:
                 continue
             try:
                 await self.pull_now(session_id)
-            except (JournalError, KeyError, asyncio.TimeoutError) as exc:
+            except JournalBusy:
+                continue
+            except (TimeoutError, JournalError, KeyError) as exc:
                 t.failures += 1
                 t.skip = min(2 ** t.failures, 30)
                 log.warning("journal pull for %s failed (%d in a row): %s", session_id, t.failures, exc)

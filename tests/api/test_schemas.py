@@ -10,12 +10,13 @@ import pytest
 from keepstate.api import schemas
 from keepstate.db.catalog import SandboxRow
 from keepstate.errors import BadRequest
+from keepstate.sandbox.record import Settings
 
 
 def row(sid: str, started: float, state: str = "running", template: str = "base", **md: str) -> SandboxRow:
     return SandboxRow(sandbox_id=sid, state=state, template_id=template, template_digest="d", runtime_name="r",
                       slot=1, address="10.88.0.2", access_token="t", started_at=started, end_at=started + 300,
-                      cpu=2, memory_mb=512, doc={"metadata": md})
+                      cpu=2, memory_mb=512, settings=Settings(metadata=md))
 
 
 def sdk_metadata_param(md: dict[str, str]) -> str:

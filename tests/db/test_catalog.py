@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+import sqlite3
+
 from keepstate.db.catalog import Catalog, SandboxRow
+from keepstate.sandbox.record import Instance, Settings
+from keepstate.sandbox.state import State
 
 
 def test_keys_and_sandboxes_survive_reopen(tmp_path: Path) -> None:
@@ -16,13 +21,34 @@ def test_keys_and_sandboxes_survive_reopen(tmp_path: Path) -> None:
     row = SandboxRow("pool-1", "pooled", "base", "d", "ks-1", 3, "10.88.0.14", "", 1.0, 1.0, 2, 512)
     cat.put_sandbox(row)
     claimed = SandboxRow("abc", "running", "base", "d", "ks-1", 3, "10.88.0.14", "tok", 2.0, 302.0, 2, 512,
-                         doc={"metadata": {"a": "b"}})
+                         settings=Settings(session_id="abc", metadata={"a": "b"}, standby=Instance("ks-2", 4, "x", 5.0, 7)))
     cat.rename_sandbox("pool-1", claimed)
     cat.close()
     again = Catalog(tmp_path / "c.sqlite")
     assert again.get_sandbox("pool-1") is None
     got = again.get_sandbox("abc")
-    assert got is not None and got.doc == {"metadata": {"a": "b"}} and got.runtime_name == "ks-1"
+    assert got is not None and got.settings == claimed.settings and got.runtime_name == "ks-1"
+    assert got.state is State.RUNNING
     assert again.revoke_key(key.id) and again.find_key(secret) is None
     again.put_snapshot("s1", ["n"], "CK", "abc", "base")
     assert again.get_snapshot("s1")["names"] == ["n"] and again.delete_snapshot("s1")
+
+
+def test_rows_written_by_earlier_releases_still_load(tmp_path: Path) -> None:
+    """Before typed settings, a row's `doc` was a dict with camelCase and snake_case keys; those rows load."""
+    cat = Catalog(tmp_path / "c.sqlite")
+    cat.put_sandbox(SandboxRow("old", "paused", "base", "d", "", -1, "", "tok", 1.0, 1.0, 2, 512))
+    old_doc = {"metadata": {"k": "v"}, "envVars": {"A": "1"}, "templateEnv": {}, "autoPause": True,
+               "allowInternetAccess": False, "user": "user", "workdir": "/home/user", "session_id": "old",
+               "gateway": True, "gatewayToken": "gt", "checkpoint_id": "CK1",
+               "standby": {"name": "ks-9", "slot": 9, "address": "10.88.0.38", "since": 3.0, "mem": 1024}}
+    db = sqlite3.connect(tmp_path / "c.sqlite")
+    db.execute("UPDATE sandboxes SET doc=? WHERE sandbox_id='old'", (json.dumps(old_doc),))
+    db.commit()
+    db.close()
+    got = Catalog(tmp_path / "c.sqlite").get_sandbox("old")
+    assert got is not None
+    s = got.settings
+    assert (s.metadata, s.env_vars, s.auto_pause, s.allow_internet_access) == ({"k": "v"}, {"A": "1"}, True, False)
+    assert (s.gateway_token, s.checkpoint_id, s.session_id) == ("gt", "CK1", "old")
+    assert s.standby == Instance("ks-9", 9, "10.88.0.38", 3.0, 1024) and s.retired is None

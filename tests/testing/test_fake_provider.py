@@ -21,7 +21,8 @@ MSG = [{"role": "user", "content": "one two three"}]
 
 
 def test_public_exports_are_pinned() -> None:
-    assert keepstate.testing.__all__ == ["FakeProvider", "Fault", "Served", "Stats", "fake_provider_in_thread"]
+    assert keepstate.testing.__all__ == ["FakeProvider", "FakeRuntime", "FakeTemplates", "Fault", "Served", "Stats",
+                                         "fake_provider_in_thread"]
 
 
 async def test_deterministic_answers_and_bill() -> None:

@@ -1,0 +1,212 @@
+"""The one way into a sandbox's agent, for every caller: the lifecycle (health, /init), the metrics sampler, the
+journal poller and the data-plane router. It owns the checkpoint quiesce gate.
+
+The rule it enforces: **no TCP connection may be open into a sandbox while it is checkpointed** (an established
+connection in gVisor's netstack at checkpoint time wedges the agent after a restore, runsc 20240729). So:
+
+- host calls (`health`, `init`, `metrics`, `journal`) use connections that are closed after each call (no
+  keep-alive), and are counted while in flight;
+- the router's proxied requests use one keep-alive pool per sandbox (`proxy_session`) and register each in-flight
+  request (`proxying`);
+- `quiesce(sandbox_id, hold)` closes the gate: host calls raise `Quiesced`; router requests wait (hold=True, the
+  sandbox runs on: a snapshot or fork) or are answered 502 by the router (a pause: the sandbox is no longer
+  RUNNING); it waits for host calls in flight, cuts the router's in-flight requests and closes its pool, gives
+  the netstack a moment to see the closes, and only then yields. The gate opens again when the block ends.
+
+A fourth caller that went around this class would break checkpoints; none may.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from keepstate.ports import AGENT_PORT
+from keepstate.runtime.base import RuntimeFailure
+
+SETTLE = 0.05  # after closing connections, before a checkpoint: the sandbox's netstack sees the closes
+HOST_CALL_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+class Quiesced(Exception):
+    """The sandbox is being checkpointed: no host call into it may start now."""
+
+
+def agent_url(address: str, port: int = AGENT_PORT) -> str:
+    return f"http://{address}:{port}"
+
+
+@dataclass(eq=False)  # hashed by identity: one per request
+class InFlight:
+    """A proxied request: cut on quiesce or kill. Until its response has started, the router answers it with a
+    JSON 502 instead of cutting the client's connection."""
+
+    transport: asyncio.BaseTransport | None
+    started: bool = False
+    cut: bool = False
+    upstream: list[aiohttp.ClientResponse] = field(default_factory=list)
+
+
+class AgentClient:
+    def __init__(self) -> None:
+        self._http: aiohttp.ClientSession | None = None
+        self._calls: Counter[str] = Counter()  # host calls in flight, by sandbox
+        self._idle = asyncio.Condition()
+        self._closed: dict[str, asyncio.Event] = {}  # quiesced sandboxes; set when the gate opens again
+        self._hold: set[str] = set()  # quiesced sandboxes whose router requests wait
+        self._proxy: dict[str, aiohttp.ClientSession] = {}
+        self._inflight: dict[str, set[InFlight]] = {}
+
+    async def start(self) -> None:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=HOST_CALL_TIMEOUT,
+                                               connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+    async def close(self) -> None:
+        for sid in list(self._proxy):
+            session = self._drop(sid)
+            if session is not None:
+                await session.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    # -- the gate ------------------------------------------------------------------------------------------------
+    def quiesced(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._closed
+
+    @contextlib.asynccontextmanager
+    async def quiesce(self, sandbox_id: str, hold: bool) -> AsyncIterator[None]:
+        if sandbox_id in self._closed:
+            raise RuntimeError(f"sandbox {sandbox_id} is already quiesced")  # the lifecycle lock prevents this
+        self._closed[sandbox_id] = asyncio.Event()
+        if hold:
+            self._hold.add(sandbox_id)
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: not self._calls[sandbox_id])
+            session = self._drop(sandbox_id)
+            if session is not None:
+                await session.close()
+            await asyncio.sleep(SETTLE)
+            yield
+        finally:
+            self._hold.discard(sandbox_id)
+            self._closed.pop(sandbox_id).set()
+
+    @contextlib.asynccontextmanager
+    async def _call(self, sandbox_id: str) -> AsyncIterator[aiohttp.ClientSession]:
+        if sandbox_id in self._closed:
+            raise Quiesced(f"sandbox {sandbox_id} is being checkpointed")
+        assert self._http is not None, "AgentClient.start() was not called"
+        self._calls[sandbox_id] += 1
+        try:
+            yield self._http
+        finally:
+            self._calls[sandbox_id] -= 1
+            if not self._calls[sandbox_id]:
+                del self._calls[sandbox_id]
+                async with self._idle:
+                    self._idle.notify_all()
+
+    # -- host calls ----------------------------------------------------------------------------------------------
+    async def wait_ready(self, sandbox_id: str, address: str, timeout: float) -> None:
+        """Until the agent answers /health; RuntimeFailure after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                async with self._call(sandbox_id) as http, \
+                        http.get(agent_url(address) + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status < 300:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeFailure(f"agent of {sandbox_id} did not answer within {timeout:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    async def init(self, sandbox_id: str, address: str, body: dict[str, Any], previous_token: str | None) -> None:
+        headers = {"X-Access-Token": previous_token} if previous_token else {}
+        async with self._call(sandbox_id) as http, \
+                http.post(agent_url(address) + "/init", json=body, headers=headers) as r:
+            if r.status >= 300:
+                raise RuntimeFailure(f"agent of {sandbox_id} refused init: {r.status} {await r.text()}")
+
+    async def metrics(self, sandbox_id: str, address: str, token: str) -> dict[str, Any] | None:
+        """The agent's /metrics (disk figures), None if it answers something else."""
+        async with self._call(sandbox_id) as http, \
+                http.get(agent_url(address) + "/metrics", headers={"X-Access-Token": token},
+                         timeout=aiohttp.ClientTimeout(total=2)) as r:
+            if r.status != 200:
+                return None
+            body = await r.json()
+            return body if isinstance(body, dict) else None
+
+    async def journal(self, sandbox_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
+        """One page of the agent's journal: (status, body); the journal poller's transport."""
+        async with self._call(sandbox_id) as http, \
+                http.get(url.rstrip("/") + "/journal", params={"after": str(after), "limit": str(limit)},
+                         headers={"X-Access-Token": token}, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return r.status, (await r.text())[:200]
+            return r.status, await r.json(content_type=None)
+
+    # -- the router's requests -----------------------------------------------------------------------------------
+    async def admit(self, sandbox_id: str, timeout: float = 120) -> None:
+        """A proxied request waits while a snapshot or fork quiesces the sandbox (it runs on afterwards)."""
+        event = self._closed.get(sandbox_id)
+        if event is not None and sandbox_id in self._hold:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+
+    def proxy_session(self, sandbox_id: str) -> aiohttp.ClientSession:
+        session = self._proxy.get(sandbox_id)
+        if session is None or session.closed:
+            session = self._proxy[sandbox_id] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+        return session
+
+    @contextlib.contextmanager
+    def proxying(self, sandbox_id: str, transport: asyncio.BaseTransport | None) -> Iterator[InFlight]:
+        flight = InFlight(transport)
+        self._inflight.setdefault(sandbox_id, set()).add(flight)
+        try:
+            yield flight
+        finally:
+            self._inflight.get(sandbox_id, set()).discard(flight)
+
+    def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
+        """Cut the sandbox's in-flight proxied requests; hand back its pool for closing.
+
+        A request whose response has started loses its client connection (the SDK sees an interrupted stream); one
+        whose response has not started only loses its upstream connection (closing the pool), and the router
+        answers it with its JSON 502."""
+        for flight in list(self._inflight.pop(sandbox_id, ())):
+            flight.cut = True
+            for upstream in flight.upstream:
+                upstream.close()
+            if flight.started and flight.transport is not None:
+                flight.transport.close()
+        return self._proxy.pop(sandbox_id, None)
+
+    def abort(self, sandbox_id: str) -> None:
+        """The sandbox was killed, paused or timed out: cut every proxied request now."""
+        session = self._drop(sandbox_id)
+        if session is not None:
+            asyncio.get_running_loop().create_task(session.close())
+
+    def open_connections(self) -> Callable[[str], int]:
+        """For tests: how many host calls are in flight into a sandbox."""
+        return lambda sid: self._calls[sid]

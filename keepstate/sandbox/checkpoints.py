@@ -1,0 +1,201 @@
+"""Taking checkpoints of running sandboxes, and starting instances from them: resume, fork, snapshot-create.
+
+    any checkpoint: checkpoint event -> quiesce (AgentClient) -> [pause: freeze] -> runsc checkpoint -> ingest
+                    -> publish -> record the lineage
+    a pause keeps the gate closed until the checkpoint is published; a snapshot or fork lets the sandbox run on
+    (and its requests through) as soon as the image is captured.
+
+The manager calls these under the sandbox's lock, with the sandbox in a transient state (PAUSING, CHECKPOINTING,
+RESUMING); nothing here changes a sandbox's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from keepstate.errors import KeepStateError
+from keepstate.runtime.base import Handle, Limits, Runtime, RuntimeFailure
+from keepstate.session import SessionRecorder
+from keepstate.store import EventRef, Manifest
+from keepstate.store.ids import new_checkpoint_id
+from keepstate.template.builder import Built
+
+from .agent_client import AgentClient
+from .durable import Durability
+from .gateway_runs import GatewayRuns
+from .instances import RESTORED_AGENT_TIMEOUT, Instances, handle_of
+from .record import Instance, SandboxRow
+from .state import State
+
+log = logging.getLogger("keepstate.sandbox")
+MAX_FORKS = 20
+
+
+def new_sandbox_id() -> str:
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(secrets.choice(alphabet) for _ in range(20))
+
+
+@dataclass
+class Spawned:
+    """One sandbox started from a checkpoint (a fork, or a create from a snapshot): its row, or why it failed."""
+
+    row: SandboxRow | None = None
+    error: BaseException | None = None
+
+
+class Checkpoints:
+    def __init__(self, instances: Instances, durable: Durability, recorder: SessionRecorder, agents: AgentClient,
+                 gateway: GatewayRuns, runtime: Runtime, host_name: str) -> None:
+        self.instances = instances
+        self.durable = durable
+        self.recorder = recorder
+        self.agents = agents
+        self.gateway = gateway
+        self.runtime = runtime
+        self.host_name = host_name
+
+    async def take(self, row: SandboxRow, kind: str) -> Manifest:
+        """Checkpoint the row's instance. A pause freezes it first and leaves it frozen (its standby); any failure
+        thaws it, so it runs on from where it was."""
+        session = row.session_id
+        parent_id = row.settings.checkpoint_id
+        checkpoint_id = new_checkpoint_id()
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
+        pausing = kind == "pause"
+        handle = handle_of(row)
+        frozen = False
+        try:
+            async with self.agents.quiesce(row.sandbox_id, hold=not pausing):
+                frozen_from = time.time()
+                if pausing:  # nothing runs after the state it saves
+                    await asyncio.to_thread(self.runtime.freeze, handle)
+                    frozen = True
+                image = await asyncio.to_thread(self.durable.capture, row)
+                frozen_until = time.time()
+                started = time.monotonic()
+                if pausing:  # no call into the frozen sandbox until it is published
+                    manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id)
+            if not pausing:
+                manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+            if frozen:
+                try:
+                    await asyncio.to_thread(self.runtime.thaw, handle)
+                except RuntimeFailure as thaw_exc:
+                    log.error("sandbox %s stays frozen after a failed pause: %s", row.sandbox_id, thaw_exc)
+            raise
+        self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
+        log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
+                 (frozen_until - frozen_from) * 1000, (time.monotonic() - started) * 1000)
+        self.gateway.mark_checkpoint(row, checkpoint_id, frozen_from, frozen_until)
+        return manifest
+
+    async def _ingest(self, row: SandboxRow, image: Path, kind: str, parent_id: str | None, ref: EventRef | None,
+                      checkpoint_id: str) -> Manifest:
+        return await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
+                                       event=ref, checkpoint_id=checkpoint_id)
+
+    # -- resume ------------------------------------------------------------------------------------------------
+    async def thaw(self, row: SandboxRow, standby: Instance, timeout: int) -> bool:
+        """Run the row on from its standby; False (the standby is gone or does not answer: it is torn down) means
+        restore from the store instead. The row is changed only on success."""
+        try:
+            state = await asyncio.to_thread(self.runtime.state, standby.name)
+            if state != "paused":
+                raise RuntimeFailure(f"its instance is {state}, not frozen")
+            await asyncio.to_thread(self.runtime.thaw, Handle(standby.name, standby.slot))
+            await self.agents.wait_ready(row.sandbox_id, standby.address, RESTORED_AGENT_TIMEOUT)
+        except (RuntimeFailure, KeepStateError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("standby of %s cannot resume (%s); restoring its checkpoint instead", row.sandbox_id, exc)
+            await self.instances.reap(row.with_instance(standby), keep_row=True)
+            return False
+        row.runtime_name, row.slot, row.address = standby.name, standby.slot, standby.address
+        row.end_at = time.time() + timeout
+        self.gateway.rebind(row)
+        return True
+
+    async def restore(self, row: SandboxRow, timeout: int) -> None:
+        """Run the row on from its checkpoint in the store, on a new instance."""
+        checkpoint_id = row.settings.checkpoint_id
+        if checkpoint_id is None:
+            raise RuntimeFailure(f"paused sandbox {row.sandbox_id} has no checkpoint")
+        manifest = await asyncio.to_thread(self.durable.manifest, checkpoint_id)
+        built = await asyncio.to_thread(self.durable.template_for, manifest)
+        image = await asyncio.to_thread(self.durable.materialise, manifest)
+        try:
+            handle, slot = await self.instances.restore(image, built, Limits(cpu=row.cpu, memory_mb=row.memory_mb))
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+        assert handle.endpoint is not None
+        fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
+        try:
+            await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
+        except BaseException:
+            await self.instances.reap(fresh, keep_row=True)
+            raise
+        row.runtime_name, row.slot, row.address = fresh.runtime_name, fresh.slot, fresh.address
+        row.template_digest = built.digest
+        row.end_at = time.time() + timeout
+        self.gateway.rebind(row)
+
+    # -- forks and creates from snapshots -----------------------------------------------------------------------
+    async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
+                    api_key_id: str | None = None) -> list[Spawned]:
+        """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session."""
+        built = await asyncio.to_thread(self.durable.template_for, manifest)
+        image = await asyncio.to_thread(self.durable.materialise, manifest)
+
+        async def one() -> SandboxRow:
+            try:
+                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+            except Exception as exc:  # one more try: a restored agent now and then fails to answer
+                log.warning("restore of %s for a new sandbox failed (%r); trying once more",
+                            manifest.checkpoint_id, exc)
+                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+
+        try:
+            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+        out = []
+        for r in results:
+            if isinstance(r, SandboxRow):
+                out.append(Spawned(row=r))
+            else:
+                log.error("restore of %s for a new sandbox failed: %r", manifest.checkpoint_id, r)
+                out.append(Spawned(error=r))
+        return out
+
+    async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
+                         api_key_id: str | None) -> SandboxRow:
+        handle, slot = await self.instances.restore(image, built, Limits(cpu=parent.cpu,
+                                                                         memory_mb=parent.memory_mb))
+        assert handle.endpoint is not None
+        now = time.time()
+        child_id = new_sandbox_id()
+        settings = replace(parent.settings, session_id=child_id, checkpoint_id=manifest.checkpoint_id,
+                           forked_from=parent.sandbox_id, standby=None, retired=None)
+        row = SandboxRow(sandbox_id=child_id, state=State.RUNNING, template_id=parent.template_id,
+                         template_digest=built.digest, runtime_name=handle.name, slot=slot,
+                         address=handle.endpoint.address, access_token=secrets.token_hex(16), started_at=now,
+                         end_at=now + timeout, cpu=parent.cpu, memory_mb=parent.memory_mb,
+                         api_key_id=api_key_id or parent.api_key_id, settings=settings)
+        self.gateway.rebind(row, parent_session=parent.session_id)
+        self.instances.catalog.put_sandbox(row)
+        try:
+            await self.agents.wait_ready(child_id, row.address, RESTORED_AGENT_TIMEOUT)
+            await self.instances.init_agent(row, self.gateway.env(row), previous_token=parent.access_token,
+                                            fork=True)
+        except BaseException:
+            await self.instances.reap(row)
+            raise
+        return row

@@ -1,0 +1,145 @@
+"""Runtime instances: starting one (cold, for a pool or a create), restoring one from an image, initialising its
+agent, and tearing one down. No lifecycle decisions here: the manager makes them under the sandbox's lock.
+
+Every instance is recorded in the catalog before it exists, so a crash in between leaves a row to reap, never a
+stray sandbox; its slot records the instance's name host-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from keepstate.db.catalog import Catalog
+from keepstate.runtime.base import Handle, Limits, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
+from keepstate.template.builder import Built
+
+from .agent_client import AgentClient, agent_url
+from .record import SandboxRow
+from .slots import Slots
+from .state import State
+from .templates import Templates
+
+log = logging.getLogger("keepstate.sandbox")
+
+AGENT_READY_TIMEOUT = 60.0
+RESTORED_AGENT_TIMEOUT = 20.0  # a restored agent answers within a second; waiting longer only delays a retry
+SERVICE_READY_TIMEOUT = 180.0
+
+
+def handle_of(row: SandboxRow) -> Handle:
+    return Handle(row.runtime_name, row.slot)
+
+
+def new_runtime_name() -> str:
+    return "ks-" + secrets.token_hex(8)
+
+
+class Instances:
+    def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
+                 templates: Templates) -> None:
+        self.catalog = catalog
+        self.runtime = runtime
+        self.slots = slots
+        self.agents = agents
+        self.templates = templates
+        self._background: set[asyncio.Task[None]] = set()
+
+    def spec(self, built: Built, limits: Limits, name: str | None = None) -> SandboxSpec:
+        return SandboxSpec(name=name or new_runtime_name(), template=TemplateRoot(built.name, built.digest,
+                                                                                   built.rootfs), limits=limits)
+
+    async def start(self, built: Built, limits: Limits) -> SandboxRow:
+        """A new instance of a template build, agent answering and services listening, as a POOLED row."""
+        slot = self.slots.alloc()
+        spec = self.spec(built, limits)
+        now = time.time()
+        row = SandboxRow(sandbox_id=spec.name, state=State.POOLED, template_id=built.name,
+                         template_digest=built.digest, runtime_name=spec.name, slot=slot, address="",
+                         access_token="", started_at=now, end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
+        self.catalog.put_sandbox(row)
+        self.slots.bind(slot, spec.name)
+        try:
+            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+            assert handle.endpoint is not None
+            row.address = handle.endpoint.address
+            self.catalog.put_sandbox(row)
+            await self.agents.wait_ready(row.sandbox_id, row.address, AGENT_READY_TIMEOUT)
+            await self.wait_services(row, built)
+        except BaseException:
+            await self.reap(row)
+            raise
+        return row
+
+    async def restore(self, image: Path, built: Built, limits: Limits) -> tuple[Handle, int]:
+        """A new instance from a materialised image (which stays: forks share one); its slot bound to it."""
+        slot = self.slots.alloc()
+        spec = self.spec(built, limits)
+        try:
+            self.slots.bind(slot, spec.name)
+            handle = await asyncio.to_thread(self.runtime.restore, spec, image, slot)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        return handle, slot
+
+    async def wait_services(self, row: SandboxRow, built: Built) -> None:
+        """A sandbox is handed out only once its template's services (e.g. the code interpreter) listen."""
+        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
+        for port in self.templates.service_ports(built.name):
+            while True:
+                try:
+                    _, writer = await asyncio.wait_for(asyncio.open_connection(row.address, port), timeout=2)
+                    writer.close()
+                    await writer.wait_closed()
+                    break
+                except (OSError, asyncio.TimeoutError):
+                    if time.monotonic() > deadline:
+                        raise RuntimeFailure(f"service port {port} of {row.sandbox_id} did not open within "
+                                             f"{SERVICE_READY_TIMEOUT:.0f}s") from None
+                    await asyncio.sleep(0.1)
+
+    async def init_agent(self, row: SandboxRow, env: dict[str, str], previous_token: str | None = None,
+                         fork: bool = False) -> None:
+        s = row.settings
+        body: dict[str, Any] = {
+            "accessToken": row.access_token, "envVars": env, "defaultUser": s.user, "defaultWorkdir": s.workdir,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "sandboxId": row.sandbox_id, "sessionId": row.session_id,
+        }
+        if fork:
+            body["fork"] = {"parent": s.forked_from, "checkpointId": s.checkpoint_id}
+        await self.agents.init(row.sandbox_id, row.address, body, previous_token)
+
+    def url(self, row: SandboxRow) -> str:
+        return agent_url(row.address)
+
+    # -- teardown -----------------------------------------------------------------------------------------------
+    async def reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
+        """Destroy the row's instance and release its slot; drop its catalog row unless keep_row."""
+        slot = row.slot
+        if slot >= 0 and not self.slots.ours(slot, row.runtime_name):
+            slot = -1
+        if row.runtime_name:
+            try:
+                await asyncio.to_thread(self.runtime.destroy, Handle(row.runtime_name, slot))
+            except Exception as exc:
+                log.warning("destroy of %s failed: %s", row.runtime_name, exc)
+        if not keep_row:
+            self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
+        if slot >= 0:
+            self.slots.release(slot)
+
+    def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
+        """Run a teardown after the caller has answered; drain() waits for every one of them."""
+        task = asyncio.get_running_loop().create_task(teardown)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,100 @@
+"""The manager's background loops: expiry (timeouts, standby release) and metrics (with death detection).
+
+Neither acts on a sandbox itself: each asks the manager for a command (expire, died), which takes the sandbox's
+lock and re-checks its state, so a loop never acts on a record a command has changed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from keepstate.errors import KeepStateError
+
+from .agent_client import Quiesced
+from .instances import handle_of
+from .record import SandboxRow
+from .state import State
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("keepstate.sandbox")
+EXPIRE_INTERVAL = 0.25
+METRIC_INTERVAL = 5.0
+
+
+async def expire_loop(m: SandboxManager) -> None:
+    while True:
+        now = time.time()
+        for row in m.running():
+            if row.state == State.RUNNING and row.end_at <= now and not m.lock(row.sandbox_id).locked():
+                try:
+                    await m.expire(row.sandbox_id)
+                except KeepStateError:
+                    pass  # changed meanwhile (killed, paused): nothing to expire
+                except Exception as exc:
+                    log.warning("expiry of %s failed: %s", row.sandbox_id, exc)
+        if len(m.standbys):
+            try:
+                await m.trim_standbys()
+            except Exception as exc:
+                log.warning("releasing standbys failed: %s", exc)
+        await asyncio.sleep(EXPIRE_INTERVAL)
+
+
+async def metrics_loop(m: SandboxManager) -> None:
+    last: dict[str, tuple[float, int]] = {}
+    while True:
+        for row in m.running():
+            if row.state != State.RUNNING or m.agents.quiesced(row.sandbox_id):
+                continue  # being checkpointed
+            try:
+                sample = await sample_once(m, row, last)
+            except Exception as exc:  # a sandbox dying mid-sample is normal
+                log.debug("metrics of %s: %s", row.sandbox_id, exc)
+                continue
+            if sample is None:
+                if not m.lock(row.sandbox_id).locked():  # a command holds it: it will know
+                    await m.died(row.sandbox_id, row.runtime_name)
+            elif sample:
+                m.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
+        await asyncio.sleep(METRIC_INTERVAL)
+
+
+async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
+    """One metrics sample: cgroup figures from the host, disk figures from the agent. None: the instance has no
+    cgroup figures or does not answer (it may have died)."""
+    stats = await asyncio.to_thread(m.runtime.cgroup_stats, handle_of(row))
+    if not stats:
+        return None
+    now = time.time()
+    cpu_ns = stats.get("cpu_ns", 0)
+    prev = last.get(row.sandbox_id)
+    last[row.sandbox_id] = (now, cpu_ns)
+    pct = 0.0
+    if prev and now > prev[0]:
+        pct = max(0.0, (cpu_ns - prev[1]) / 1e9 / (now - prev[0]) / max(row.cpu, 1) * 100)
+    disk_used = disk_total = 0
+    try:
+        figures = await m.agents.metrics(row.sandbox_id, row.address, row.access_token)
+        if figures:
+            disk_used, disk_total = int(figures.get("disk_used", 0)), int(figures.get("disk_total", 0))
+    except Quiesced:
+        return {}  # checkpointed meanwhile: no sample this round, and not dead
+    except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
+        return None  # the agent does not answer: the caller asks the runtime whether it is gone
+    except (aiohttp.ClientError, ValueError):
+        pass
+    mem_total = min(stats.get("mem_limit", 0), row.memory_mb << 20) or row.memory_mb << 20
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z",
+        "timestampUnix": int(now), "cpuCount": int(row.cpu), "cpuUsedPct": round(pct, 2),
+        "memUsed": stats.get("mem_used", 0), "memTotal": mem_total, "memCache": stats.get("mem_cache", 0),
+        "diskUsed": disk_used, "diskTotal": disk_total,
+    }

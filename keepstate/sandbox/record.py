@@ -1,0 +1,131 @@
+"""A sandbox's record: what the catalog persists and the manifest's `sandbox` label carries to other servers.
+
+`SandboxRow` is the row; `Settings` is what the create request and the lifecycle decided (it was an untyped `doc`
+dict before; `Settings.from_json` still reads those, camelCase and snake_case keys alike, so catalogs and
+checkpoints written by earlier releases load). Pure data, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .state import State
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A runtime instance that is not (or no longer) the sandbox's running one: a standby, or one being retired."""
+
+    name: str
+    slot: int
+    address: str = ""
+    since: float = 0.0  # standby: when it was frozen
+    mem: int = 0  # standby: the memory it holds, bytes
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Instance:
+        return cls(name=str(d["name"]), slot=int(d["slot"]), address=str(d.get("address", "")),
+                   since=float(d.get("since", 0.0)), mem=int(d.get("mem", 0)))
+
+
+@dataclass
+class Settings:
+    """Everything about a sandbox beyond its runtime identity."""
+
+    session_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    template_env: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    allow_internet_access: bool | None = None
+    user: str = "user"
+    workdir: str = "/home/user"
+    gateway: bool = True  # our extension: false keeps the metering gateway's variables out
+    gateway_token: str | None = None
+    checkpoint_id: str | None = None  # its latest checkpoint (pause, snapshot or fork)
+    forked_from: str | None = None
+    standby: Instance | None = None  # paused: the frozen instance kept for a quick thaw
+    retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("standby", "retired"):
+            if out[key] is None:
+                del out[key]
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Settings:
+        def pick(*names: str, default: Any = None) -> Any:
+            for n in names:
+                if n in d:
+                    return d[n]
+            return default
+
+        def instance(name: str) -> Instance | None:
+            v = d.get(name)
+            return Instance.from_json(v) if isinstance(v, dict) else None
+
+        return cls(
+            session_id=str(pick("session_id", "sessionId", default="")),
+            metadata=dict(pick("metadata", default={}) or {}),
+            env_vars=dict(pick("env_vars", "envVars", default={}) or {}),
+            template_env=dict(pick("template_env", "templateEnv", default={}) or {}),
+            auto_pause=bool(pick("auto_pause", "autoPause", default=False)),
+            allow_internet_access=pick("allow_internet_access", "allowInternetAccess"),
+            user=str(pick("user", default="user")), workdir=str(pick("workdir", default="/home/user")),
+            gateway=bool(pick("gateway", default=True)), gateway_token=pick("gateway_token", "gatewayToken"),
+            checkpoint_id=pick("checkpoint_id", "checkpointId"), forked_from=pick("forked_from", "forkedFrom"),
+            standby=instance("standby"), retired=instance("retired"),
+        )
+
+
+@dataclass
+class SandboxRow:
+    """One sandbox, in every state. `runtime_name`, `slot` and `address` name its running instance ("", -1, "" when
+    it has none: paused)."""
+
+    sandbox_id: str
+    state: State
+    template_id: str
+    template_digest: str
+    runtime_name: str
+    slot: int
+    address: str
+    access_token: str
+    started_at: float
+    end_at: float
+    cpu: float
+    memory_mb: int
+    api_key_id: str | None = None
+    settings: Settings = field(default_factory=Settings)
+
+    def __post_init__(self) -> None:
+        self.state = State(self.state)
+
+    @property
+    def session_id(self) -> str:
+        return self.settings.session_id or self.sandbox_id
+
+    def instance(self) -> Instance:
+        return Instance(self.runtime_name, self.slot, self.address)
+
+    def with_instance(self, inst: Instance) -> SandboxRow:
+        """A copy naming another instance (to tear down a standby or a retired instance through the same code)."""
+        return replace(self, runtime_name=inst.name, slot=inst.slot, address=inst.address,
+                       settings=replace(self.settings))
+
+    def copy(self) -> SandboxRow:
+        return replace(self, settings=replace(self.settings, metadata=dict(self.settings.metadata),
+                                              env_vars=dict(self.settings.env_vars)))
+
+
+def portable(row: SandboxRow) -> dict[str, Any]:
+    """What another server needs to bring the sandbox back under the same ID (the manifest's `sandbox` label)."""
+    settings = row.settings.to_json()
+    settings.pop("standby", None)
+    settings.pop("retired", None)
+    return {"sandbox_id": row.sandbox_id, "template_id": row.template_id, "cpu": row.cpu,
+            "memory_mb": row.memory_mb, "access_token": row.access_token, "api_key_id": row.api_key_id,
+            "started_at": row.started_at, "doc": settings}

@@ -1,0 +1,52 @@
+"""The template seam: which build of a template a sandbox starts from, and what it serves.
+
+`BuiltTemplates` reads the template builder's cache (keepstate/template); keepstate.testing.FakeTemplates answers
+from memory for tests on the fake runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from keepstate.errors import KeepStateError
+from keepstate.template import builder
+from keepstate.template.builder import Built
+from keepstate.template.definition import load as load_definition
+
+
+class Templates(Protocol):
+    def latest(self, name: str) -> Built | None:
+        """The newest build of a known template, None if it has none yet; NotFound for an unknown name."""
+
+    def find_by_digest(self, name: str, digest: str) -> Built | None: ...
+
+    def ensure_built(self, name: str) -> Built:
+        """Build the template if it has no current build (slow: minutes); blocking."""
+
+    def service_ports(self, name: str) -> list[int]:
+        """Ports the template's services listen on: a sandbox is handed out once they all accept."""
+
+
+class BuiltTemplates:
+    def latest(self, name: str) -> Built | None:
+        return builder.latest(name)
+
+    def find_by_digest(self, name: str, digest: str) -> Built | None:
+        return builder.find_by_digest(name, digest)
+
+    def ensure_built(self, name: str) -> Built:
+        return builder.ensure_built(name)
+
+    def service_ports(self, name: str) -> list[int]:
+        try:
+            return [s.port for s in load_definition(name).services if s.port]
+        except KeepStateError:
+            return []
+
+
+def latest_digest(templates: Templates, name: str) -> str:
+    try:
+        b = templates.latest(name)
+    except KeepStateError:
+        return ""
+    return b.digest if b else ""

@@ -1,0 +1,430 @@
+"""A fake sandbox runtime, in-process: the `Runtime` seam without gVisor, for lifecycle tests that run in
+milliseconds (`keepstate serve --runtime fake` serves with it).
+
+Each instance is a small HTTP server on a loopback address of its own (127.77.x.y, the agent's port) that acts
+like the agent where the lifecycle touches it: `/health`, `/init` (token rules included), `/metrics`,
+`/journal`, and `/files` (read, write: the stock SDK's `files.read` / `files.write` work). Its state (files,
+journal, token, environment) is what a checkpoint writes and a restore reads back, so a paused or forked fake
+sandbox comes back with its files.
+
+It keeps gVisor's hazards, so tests catch code that breaks the rules real sandboxes impose:
+- a **frozen** instance answers nothing until thawed (requests hang, as into a frozen sandbox);
+- a **checkpoint taken while a connection is open** into the instance is recorded in `violations`, and an
+  instance restored from that image is **wedged** (answers nothing), as gVisor 20240729's restored agent is.
+
+Faults are injected with `fail(op, times)` (the next calls of `op` raise RuntimeFailure) and slowed with
+`delay[op] = seconds`, both deterministic.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from keepstate.ports import AGENT_PORT
+from keepstate.runtime.base import Endpoint, Handle, Limits, RuntimeFailure, SandboxSpec
+
+STATE_FILE = "fake-state.json"
+MEMORY_FILE = "pages.img"  # a stand-in for gVisor's memory file, so the store has bytes to chunk
+
+
+def address_of(slot: int) -> str:
+    return f"127.77.{slot // 256}.{slot % 256}"
+
+
+class FakeSlots:
+    """An in-memory slot table (one per FakeRuntime)."""
+
+    max_slots = 4096
+
+    def __init__(self) -> None:
+        self._owners: dict[int, str | None] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, slot: int) -> bool:
+        with self._lock:
+            if slot in self._owners:
+                return False
+            self._owners[slot] = None
+            return True
+
+    def record_owner(self, slot: int, home: str, name: str) -> None:
+        with self._lock:
+            self._owners[slot] = name
+
+    def owner(self, slot: int) -> str | None:
+        with self._lock:
+            return self._owners.get(slot)
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._owners.pop(slot, None)
+
+    def orphaned(self) -> list[tuple[int, str]]:
+        return []
+
+    def held(self) -> set[int]:
+        with self._lock:
+            return set(self._owners)
+
+
+@dataclass
+class AgentState:
+    token: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+    journal: list[dict[str, Any]] = field(default_factory=list)
+    boots: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "env": self.env, "journal": self.journal, "boots": self.boots,
+                "files": {p: base64.b64encode(b).decode() for p, b in self.files.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AgentState:
+        return cls(token=d["token"], env=dict(d["env"]), journal=list(d["journal"]), boots=int(d["boots"]) + 1,
+                   files={p: base64.b64decode(b) for p, b in d["files"].items()})
+
+    def note(self, kind: str, data: dict[str, Any]) -> None:
+        self.journal.append({"seq": len(self.journal) + 1, "ts": time.time(), "kind": kind, "data": data})
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: str, agent: FakeAgent) -> None:
+        self.agent = agent
+        self.connections = 0
+        self._count = threading.Lock()
+        super().__init__((address, AGENT_PORT), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went away (a cut connection) is normal here; real agents say nothing either
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._count:
+            self.connections += 1
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._count:
+            self.connections -= 1
+        super().shutdown_request(request)
+
+
+class FakeAgent:
+    """One fake instance's agent."""
+
+    def __init__(self, address: str, state: AgentState, wedged: bool = False) -> None:
+        self.state = state
+        self.wedged = wedged
+        self.lock = threading.Lock()
+        self.running = threading.Event()
+        self.running.set()
+        self.dead = threading.Event()
+        self.server = _Server(address, self)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name=f"fake-agent-{address}", daemon=True)
+        self.thread.start()
+
+    def open_connections(self) -> int:
+        return self.server.connections
+
+    def stop(self) -> None:
+        self.dead.set()
+        self.running.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def _send(self, status: int, body: bytes = b"", ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        if body:
+            self.send_header("Content-Type", ctype)
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def _json(self, status: int, value: Any) -> None:
+        self._send(status, json.dumps(value).encode())
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _gate(self) -> bool:
+        agent = self.server.agent
+        if agent.wedged:
+            agent.dead.wait()
+            return False
+        agent.running.wait()
+        return not agent.dead.is_set()
+
+    def _authorised(self) -> bool:
+        token = self.server.agent.state.token
+        if token and self.headers.get("X-Access-Token") != token:
+            self._json(401, {"code": 401, "message": "unauthorized access, please provide a valid access token"})
+            return False
+        return True
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if not self._gate():
+            return
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        agent = self.server.agent
+        if url.path == "/health":
+            return self._send(204)
+        if not self._authorised():
+            return
+        with agent.lock:
+            st = agent.state
+            if url.path == "/metrics":
+                return self._json(200, {"disk_used": sum(map(len, st.files.values())), "disk_total": 1 << 30})
+            if url.path == "/journal":
+                after, limit = int(query.get("after", 0)), int(query.get("limit", 500))
+                events = [e for e in st.journal if e["seq"] > after][:limit]
+                return self._json(200, {"events": events, "next": events[-1]["seq"] if events else after,
+                                        "oldest": 1 if st.journal else None, "last": len(st.journal)})
+            if url.path == "/files":
+                data = st.files.get(query.get("path", ""))
+                if data is None:
+                    return self._json(404, {"code": 404, "message": f"path '{query.get('path')}' does not exist"})
+                return self._send(200, data, "application/octet-stream")
+        self._json(404, {"code": 404, "message": f"no such path {url.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if not self._gate():
+            return
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        agent = self.server.agent
+        body = self._body()
+        if url.path == "/init":
+            if not self._authorised():
+                return
+            doc = json.loads(body or b"{}")
+            with agent.lock:
+                agent.state.token = str(doc.get("accessToken") or agent.state.token)
+                agent.state.env = dict(doc.get("envVars") or {})
+                agent.state.note("init", {"sandbox_id": doc.get("sandboxId")})
+            return self._send(204)
+        if url.path == "/files":
+            if not self._authorised():
+                return
+            path = query.get("path", "")
+            data = _multipart_file(body, self.headers.get("Content-Type", ""))
+            with agent.lock:
+                agent.state.files[path] = data
+                agent.state.note("file.write", {"path": path, "size": len(data)})
+            return self._json(200, [{"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}])
+        self._json(404, {"code": 404, "message": f"no such path {url.path}"})
+
+
+def _multipart_file(body: bytes, ctype: str) -> bytes:
+    """The first part of a multipart/form-data body (what the SDK's files.write sends), else the body itself."""
+    if "multipart/form-data" not in ctype or "boundary=" not in ctype:
+        return body
+    boundary = ctype.split("boundary=", 1)[1].split(";")[0].strip().strip('"').encode()
+    parts = body.split(b"--" + boundary)
+    for part in parts[1:]:
+        if part.startswith(b"--"):
+            break
+        head, _, content = part.partition(b"\r\n\r\n")
+        if head:
+            return content[:-2] if content.endswith(b"\r\n") else content
+    return b""
+
+
+@dataclass
+class _Instance:
+    spec: SandboxSpec
+    slot: int
+    agent: FakeAgent
+    status: str = "running"
+
+
+class FakeRuntime:
+    kind = "fake"
+    release = "fake-1"
+
+    def __init__(self) -> None:
+        self.slots = FakeSlots()
+        self.violations: list[str] = []  # checkpoints taken with a connection open (gVisor would wedge)
+        self.delay: dict[str, float] = {}  # op -> seconds each call of it takes (widens race windows)
+        self.calls: dict[str, int] = {}
+        self._faults: dict[str, int] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._lock = threading.Lock()
+
+    # -- test controls ------------------------------------------------------------------------------------------
+    def fail(self, op: str, times: int = 1) -> None:
+        """The next `times` calls of `op` ("create", "checkpoint", "freeze", "thaw", "restore") fail."""
+        self._faults[op] = self._faults.get(op, 0) + times
+
+    def crash(self, name: str) -> None:
+        """The instance dies (as a sandbox OOM-killed or crashed): gone, its agent with it."""
+        with self._lock:
+            inst = self._instances.pop(name, None)
+        if inst is not None:
+            inst.agent.stop()
+
+    def agent(self, name: str) -> FakeAgent:
+        return self._instances[name].agent
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._instances)
+
+    def _op(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        if self.delay.get(op):
+            time.sleep(self.delay[op])
+        if self._faults.get(op):
+            self._faults[op] -= 1
+            raise RuntimeFailure(f"fake runtime: injected failure of {op}")
+
+    def _get(self, name: str) -> _Instance:
+        with self._lock:
+            inst = self._instances.get(name)
+        if inst is None:
+            raise RuntimeFailure(f"fake runtime: no instance {name!r}")
+        return inst
+
+    def _handle(self, inst: _Instance) -> Handle:
+        return Handle(inst.spec.name, inst.slot, Endpoint(address_of(inst.slot), AGENT_PORT))
+
+    def _start(self, spec: SandboxSpec, slot: int, state: AgentState, wedged: bool = False) -> Handle:
+        with self._lock:
+            if spec.name in self._instances:
+                raise RuntimeFailure(f"fake runtime: instance {spec.name} exists")
+        try:
+            agent = FakeAgent(address_of(slot), state, wedged)
+        except OSError as exc:
+            raise RuntimeFailure(f"fake runtime: cannot listen on {address_of(slot)}: {exc}") from exc
+        inst = _Instance(spec, slot, agent)
+        with self._lock:
+            self._instances[spec.name] = inst
+        return self._handle(inst)
+
+    # -- Runtime --------------------------------------------------------------------------------------------------
+    def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
+        pass
+
+    def create(self, spec: SandboxSpec, slot: int) -> Handle:
+        self._op("create")
+        return self._start(spec, slot, AgentState())
+
+    def state(self, name: str) -> str:
+        with self._lock:
+            inst = self._instances.get(name)
+        return inst.status if inst is not None else "gone"
+
+    def is_alive(self, handle: Handle) -> bool:
+        return self.state(handle.name) in ("running", "paused")
+
+    def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
+        self._op("checkpoint")
+        inst = self._get(handle.name)
+        open_now = inst.agent.open_connections()
+        if open_now:
+            self.violations.append(f"checkpoint of {handle.name} with {open_now} connection(s) open")
+        image_dir.mkdir(parents=True, exist_ok=True)
+        with inst.agent.lock:
+            doc = inst.agent.state.to_json()
+        doc["wedged"] = bool(open_now)
+        (image_dir / STATE_FILE).write_text(json.dumps(doc))
+        # Deterministic "memory": the files' bytes padded to whole 4 KiB pages, so forks share chunks.
+        blob = b"".join(inst.agent.state.files.values()) or b"\0"
+        (image_dir / MEMORY_FILE).write_bytes(blob + b"\0" * (-len(blob) % 4096))
+        if not leave_running:
+            self.destroy(handle)
+
+    def freeze(self, handle: Handle) -> None:
+        self._op("freeze")
+        inst = self._get(handle.name)
+        inst.agent.running.clear()
+        inst.status = "paused"
+
+    def thaw(self, handle: Handle) -> None:
+        self._op("thaw")
+        inst = self._get(handle.name)
+        inst.status = "running"
+        inst.agent.running.set()
+
+    def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
+        self._op("restore")
+        try:
+            doc = json.loads((image_dir / STATE_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeFailure(f"fake runtime: no image in {image_dir}: {exc}") from exc
+        return self._start(spec, slot, AgentState.from_json(doc), wedged=bool(doc.get("wedged")))
+
+    def destroy(self, handle: Handle) -> None:
+        self._op("destroy")
+        with self._lock:
+            inst = self._instances.pop(handle.name, None)
+        if inst is not None:
+            inst.agent.stop()
+
+    def cgroup_stats(self, handle: Handle) -> dict[str, int]:
+        with self._lock:
+            inst = self._instances.get(handle.name)
+        if inst is None:
+            return {}
+        limits: Limits = inst.spec.limits
+        return {"cpu_ns": int(time.monotonic() * 1e6), "mem_used": 24 << 20, "mem_cache": 0,
+                "mem_limit": limits.memory_mb << 20}
+
+    def statuses(self) -> dict[str, str]:
+        with self._lock:
+            return {name: inst.status for name, inst in self._instances.items()}
+
+    def close(self) -> None:
+        """Stop every instance (end of a test)."""
+        for name in self.names():
+            self.crash(name)
+
+
+class FakeTemplates:
+    """Templates for the fake runtime: every name given is 'built' (no root filesystem is needed)."""
+
+    def __init__(self, names: tuple[str, ...] = ("base", "code-interpreter-v1"), root: Path | None = None) -> None:
+        from keepstate.template.builder import Built
+        from keepstate.template.definition import Defaults
+
+        self.root = root or Path("/nonexistent-fake-rootfs")
+        self._built = {n: Built(name=n, definition_digest=f"fake-{n}", digest=f"sha256:fake-{n}", rootfs=self.root,
+                                defaults=Defaults(), built_at=0.0) for n in names}
+
+    def latest(self, name: str) -> Any:
+        from keepstate.errors import NotFound
+
+        if name not in self._built:
+            raise NotFound(f"template '{name}' not found")
+        return self._built[name]
+
+    def find_by_digest(self, name: str, digest: str) -> Any:
+        b = self._built.get(name)
+        return b if b is not None and b.digest == digest else None
+
+    def ensure_built(self, name: str) -> Any:
+        return self.latest(name)
+
+    def service_ports(self, name: str) -> list[int]:
+        return []

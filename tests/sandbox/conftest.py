@@ -1,0 +1,100 @@
+"""A KeepState server in the test's own process, on the fake runtime or on gVisor, so that tests can drive it over
+HTTP and also look at what its manager and runtime hold."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from keepstate.api.app import ServerConfig, create_app
+from keepstate.api.keys import CATALOG, MANAGER
+from keepstate.runtime.base import Runtime
+from keepstate.sandbox.manager import SandboxManager
+from keepstate.testing import FakeRuntime, FakeTemplates
+
+TEMPLATE_CACHE = "/var/lib/keepstate/templates"
+
+
+def gvisor_unavailable() -> str | None:
+    """Why gVisor sandboxes cannot run here, or None."""
+    from keepstate.runtime.gvisor import have_runsc
+
+    if not have_runsc():
+        return "needs root and runsc (make setup)"
+    os.environ.setdefault("KEEPSTATE_TEMPLATE_CACHE", TEMPLATE_CACHE)
+    from keepstate.template import builder
+
+    try:
+        if builder.latest("base") is None:
+            return "the base template is not built (make test builds it first)"
+    except Exception as exc:  # noqa: BLE001 - any reason is a reason to skip, named
+        return f"the base template cannot be read: {exc}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Served:
+    url: str
+    key: str
+    manager: SandboxManager
+    runtime: Runtime
+    http: aiohttp.ClientSession
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-API-KEY": self.key}
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.http.request(method, self.url + path, json=body, headers=self.headers) as r:
+            text = await r.text()
+            try:
+                import json
+
+                return r.status, json.loads(text) if text else None
+            except ValueError:
+                return r.status, text
+
+
+@pytest.fixture
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    """A server on the runtime the test is parametrised with ("fake" or "gvisor")."""
+    kind = getattr(request, "param", "fake")
+    home = Path(tempfile.mkdtemp(prefix="keepstate-inproc-"))
+    if kind == "gvisor":
+        why = gvisor_unavailable()
+        if why:
+            pytest.skip(why)
+        config = ServerConfig(home=home, pool_size=2, warm_templates=("base",), reap_on_exit=True,
+                              standby_seconds=300)
+        app = create_app(config)
+    else:
+        config = ServerConfig(home=home, pool_size=2, warm_templates=("base",), reap_on_exit=True, runtime="fake")
+        app = create_app(config, FakeRuntime(), FakeTemplates())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    _, key = app[CATALOG].create_key("tests")
+    manager = app[MANAGER]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        try:
+            yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http)
+        finally:
+            await runner.cleanup()
+            if isinstance(manager.runtime, FakeRuntime):
+                manager.runtime.close()
