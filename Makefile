@@ -34,8 +34,57 @@ up: setup
 	echo "export E2B_API_URL=http://$(LISTEN) E2B_SANDBOX_URL=http://$(LISTEN) E2B_API_KEY=$$($(BIN)/keepstate keys dev)"; \
 	exec $(BIN)/keepstate serve --listen $(LISTEN) --warm $$(echo $$names | tr ' ' ,)
 
-test: setup
+# Static checks first (ruff, mypy, generated protocol modules, the agent's generated pins), then every test.
+test: setup lint proto-check
+	@$(BIN)/python scripts/agent-requirements.py --check
 	@bash scripts/test.sh
 
 bench: setup
 	@$(BIN)/python benchmarks/sandbox.py
+
+# keepstate/agent/requirements.txt from pyproject.toml's `agent` extra (--check: fail if it differs; needs PyPI).
+.PHONY: agent-requirements
+agent-requirements: $(VENV)/.installed
+	@$(BIN)/python scripts/agent-requirements.py
+
+# Static checks (configured in pyproject.toml).
+.PHONY: lint
+lint: $(VENV)/.installed
+	@status=0; $(BIN)/ruff check keepstate tests benchmarks scripts || status=1; \
+	$(BIN)/mypy keepstate || status=1; exit $$status
+
+# The agent's protocol modules, generated from their .proto files (keepstate/agent/proto/README.md). The code
+# generators live in a venv of their own (they are not runtime dependencies); protoc-gen-py must match the
+# runtime protobuf-py and protoc-gen-connectrpc the runtime connectrpc (keepstate/agent/requirements.txt).
+VENV_PROTO := .venv-proto
+PROTO_TOOLS := grpcio-tools==1.85.1 protoc-gen-py==0.6.0 protoc-gen-connectrpc==0.12.1
+PROTO_DIR := keepstate/agent/proto
+PROTOS := $(PROTO_DIR)/process/process.proto $(PROTO_DIR)/filesystem/filesystem.proto
+PROTO_MODULES := process/process_pb.py process/process_connect.py filesystem/filesystem_pb.py \
+	filesystem/filesystem_connect.py
+# protoc names each module's source relative to -I ("Generated from process/process.proto"), and finds the
+# plugins (protoc-gen-py, protoc-gen-connectrpc) on PATH. $(1): the output directory.
+PROTOC = PATH=$(abspath $(VENV_PROTO))/bin:$$PATH $(VENV_PROTO)/bin/python -m grpc_tools.protoc -I $(PROTO_DIR) \
+	--py_out=$(1) --connectrpc_out=$(1) $(PROTOS)
+
+$(VENV_PROTO)/.installed: Makefile
+	@test -x $(VENV_PROTO)/bin/python || $(PYTHON) -m venv $(VENV_PROTO)
+	@$(VENV_PROTO)/bin/pip install --quiet --disable-pip-version-check $(PROTO_TOOLS)
+	@touch $@
+
+# Generated into a scratch directory and copied: protoc also writes the packages' __init__.py, which are ours.
+.PHONY: proto proto-check
+proto: $(VENV_PROTO)/.installed
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(call PROTOC,$$tmp) && \
+	for m in $(PROTO_MODULES); do cp "$$tmp/$$m" "$(PROTO_DIR)/$$m"; done
+
+# Fails when a committed module is not what its .proto generates (edited by hand, or the .proto changed alone).
+proto-check: $(VENV_PROTO)/.installed
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(call PROTOC,$$tmp) || exit 1; \
+	status=0; for m in $(PROTO_MODULES); do \
+	  if ! cmp -s "$$tmp/$$m" "$(PROTO_DIR)/$$m"; then \
+	    echo "proto-check: $(PROTO_DIR)/$$m is not what $(PROTO_DIR)/$${m%_*}.proto generates" \
+	      "(run 'make proto' and commit the result):" >&2; \
+	    diff -u "$(PROTO_DIR)/$$m" "$$tmp/$$m" | head -40 >&2; status=1; \
+	  fi; \
+	done; exit $$status

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, KEEPSTATE, row, server  # noqa: E402
+from common import KEEPSTATE, REPO, row, server  # noqa: E402
 
 MiB = 1 << 20
 HOLD = ("import os,time\nb=bytearray(os.urandom({n}<<20))\nopen('/tmp/ready','w').write('1')\n"
@@ -221,7 +221,7 @@ def main() -> None:
                     if not rep:
                         stored = int(ckpt["stats"]["added_bytes"])
                 pause_s, resume_s = statistics.median(pauses), statistics.median(resumes)
-                total_s = statistics.median(a + b for a, b in zip(pauses, resumes))
+                total_s = statistics.median(a + b for a, b in zip(pauses, resumes, strict=True))
 
                 incrs = []
                 for _ in range(args.repeat):
@@ -241,8 +241,8 @@ def main() -> None:
                                  peer_name="runsc checkpoint only"))
                 lines.append(row("resume (thaw of the standby)", resume_s * 1000, raw_rs * 1000,
                                  peer_name="runsc restore only"))
-                lines.append(f"  (medians of {args.repeat}; pause + resume each time: "
-                             + ", ".join(f"{(a + b) * 1000:.0f}" for a, b in zip(pauses, resumes)) + " ms)")
+                each = ", ".join(f"{(a + b) * 1000:.0f}" for a, b in zip(pauses, resumes, strict=True))
+                lines.append(f"  (medians of {args.repeat}; pause + resume each time: {each} ms)")
                 lines.append(row("pause + resume", total_s * 1000, (rb + rr) * 1000,
                                  peer_name="restic backup+restore"))
                 lines.append(row("pause + resume after a 1 MiB change", incr_s * 1000, (rb + rr) * 1000,

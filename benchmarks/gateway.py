@@ -61,7 +61,7 @@ async def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 9
                 async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status < 500:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             await asyncio.sleep(0.2)
     raise RuntimeError(f"{url} not ready after {limit_s}s")

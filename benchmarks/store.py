@@ -6,7 +6,8 @@
 For each image: ingest throughput, stored bytes, verified-restore throughput (best of 9), the share of restore
 time that verification (BLAKE3 of every chunk used) costs -- measured against the same restore with the check
 patched out in this process only -- and the bytes stored by a second checkpoint after a 1 MiB in-place change.
-Memory images restore sparse (zero blocks are verified once, then left as holes), hence their high restore rate. restic (Debian's /usr/bin/restic) backs up and restores the same directory into a local repository.
+Memory images restore sparse (zero blocks are verified once, then left as holes), hence their high restore rate.
+restic (Debian's /usr/bin/restic) backs up and restores the same directory into a local repository.
 All traffic is local: a directory store and a directory restic repository.
 """
 
@@ -216,8 +217,8 @@ def ratio(a: float, b: float | None) -> str:
 
 def report(rows: list[tuple[Result, Result | None]]) -> str:
     lines = [
-        "image             | ingest MB/s (ks, restic, ks/restic) | restore MB/s verified (ks, restic, ks/restic) "
-        "| verify share | stored MiB (ks, restic) | after 1 MiB change: stored KiB (ks, restic)",
+        ("image             | ingest MB/s (ks, restic, ks/restic) | restore MB/s verified (ks, restic, ks/restic) "
+         "| verify share | stored MiB (ks, restic) | after 1 MiB change: stored KiB (ks, restic)"),
     ]
     for ks, rs in rows:
         share = (ks.verify_s or 0) / ks.restore_s

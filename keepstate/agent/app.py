@@ -68,8 +68,8 @@ class AgentApp:
 
             self._process_table = ProcessTable(journal=self.journal)
             self._filesystem = FilesystemService(self.settings, self.journal)
-            process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))  # type: ignore[arg-type]
-            fs_app = FilesystemASGIApplication(self._filesystem)  # type: ignore[arg-type]
+            process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
+            fs_app = FilesystemASGIApplication(self._filesystem)
             self._rpc = {process_app.path + "/": process_app, fs_app.path + "/": fs_app}
         return self._rpc
 

@@ -10,7 +10,17 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from keepstate.agent.asgi import HTTPError, Receive, Scope, Send, header, headers_with_prefix, iter_body, query, send_json
+from keepstate.agent.asgi import (
+    HTTPError,
+    Receive,
+    Scope,
+    Send,
+    header,
+    headers_with_prefix,
+    iter_body,
+    query,
+    send_json,
+)
 from keepstate.agent.auth import AuthError, check_file_access
 from keepstate.agent.entry import MetadataError, replace_metadata, validate_metadata
 from keepstate.agent.journal import Journal
@@ -304,7 +314,8 @@ async def upload(scope: Scope, receive: Receive, send: Send, settings: SandboxSe
             raise
         results = [writer.close()]
     else:
-        raise HTTPError(400, f"unsupported Content-Type '{content_type}': use multipart/form-data or application/octet-stream")
+        raise HTTPError(400, f"unsupported Content-Type '{content_type}': use multipart/form-data or "
+                             "application/octet-stream")
     if not results:
         raise HTTPError(400, "no file in the request")
     if journal is not None:

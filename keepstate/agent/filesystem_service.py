@@ -9,7 +9,7 @@ import shutil
 import stat
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -18,10 +18,10 @@ from protobuf import Oneof
 from keepstate.agent.entry import entry_info
 from keepstate.agent.journal import Journal
 from keepstate.agent.permissions import (
-    R,
-    X,
     Identity,
     PermissionDenied,
+    R,
+    X,
     allowed,
     check_create,
     check_list,
@@ -30,6 +30,7 @@ from keepstate.agent.permissions import (
     check_stat,
     for_user,
 )
+from keepstate.agent.proto.filesystem.filesystem_connect import Filesystem
 from keepstate.agent.proto.filesystem.filesystem_pb import (
     CreateWatcherRequest,
     CreateWatcherResponse,
@@ -57,7 +58,11 @@ from keepstate.agent.settings import SandboxSettings
 from keepstate.agent.users import User, make_dirs_for
 from keepstate.agent.watcher import DirWatcher, is_network_mount
 
-_KEEPALIVE = WatchDirResponse(event=Oneof("keepalive", WatchDirResponse.KeepAlive()))
+# Each Oneof is given its member type first: mypy infers Oneof("start", ...) as Oneof[str, ...] against the
+# generated union of one Oneof[Literal[field], value] per field.
+_KEEPALIVE_EVENT: Oneof[Literal["keepalive"], WatchDirResponse.KeepAlive] = Oneof("keepalive",
+                                                                                 WatchDirResponse.KeepAlive())
+_KEEPALIVE = WatchDirResponse(event=_KEEPALIVE_EVENT)
 MAX_BUFFERED_EVENTS = 10_000  # per CreateWatcher watcher, for a client that stopped polling
 
 
@@ -115,7 +120,7 @@ class _PolledWatcher:
             self.events.append(event)
 
 
-class FilesystemService:
+class FilesystemService(Filesystem):
     def __init__(self, settings: SandboxSettings, journal: Journal | None = None) -> None:
         self._settings = settings
         self._journal = journal or Journal()
@@ -182,7 +187,8 @@ class FilesystemService:
         if not stat.S_ISDIR(st.st_mode):
             raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
         real = os.path.realpath(path)
-        return ListDirResponse(entries=list(walk_entries(real, path, max(request.depth, 1), for_user(user.name, user.uid, user.gid))))
+        who = for_user(user.name, user.uid, user.gid)
+        return ListDirResponse(entries=list(walk_entries(real, path, max(request.depth, 1), who)))
 
     async def remove(self, request: RemoveRequest, ctx: Any) -> RemoveResponse:
         _, path = self._user_path(request.path, ctx, check_remove)
@@ -225,14 +231,17 @@ class FilesystemService:
         watcher = self._open_watch(request, ctx, queue.put_nowait)
         keepalive_s = keepalive_interval(ctx)
         try:
-            yield WatchDirResponse(event=Oneof("start", WatchDirResponse.StartEvent()))
+            started: Oneof[Literal["start"], WatchDirResponse.StartEvent] = Oneof("start",
+                                                                                  WatchDirResponse.StartEvent())
+            yield WatchDirResponse(event=started)
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), keepalive_s)
                 except TimeoutError:
                     yield _KEEPALIVE
                     continue
-                yield WatchDirResponse(event=Oneof("filesystem", event))
+                changed: Oneof[Literal["filesystem"], FilesystemEvent] = Oneof("filesystem", event)
+                yield WatchDirResponse(event=changed)
         finally:
             watcher.close()
 

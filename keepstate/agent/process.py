@@ -18,6 +18,7 @@ import subprocess
 import termios
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal, TypeAlias, TypedDict, cast
 
 from protobuf import Oneof
 
@@ -74,22 +75,34 @@ def exit_info(wait_status: int) -> ExitInfo:
     return ExitInfo(-1, False, text, text)
 
 
+# The generated messages type a oneof as a union with one Oneof[Literal[field], value] per field, and mypy infers
+# Oneof("start", ...) as Oneof[str, ...] when the expected type is that union: each Oneof below is given its
+# member type first.
+_DataOutput: TypeAlias = (Oneof[Literal["stdout"], bytes] | Oneof[Literal["stderr"], bytes]
+                          | Oneof[Literal["pty"], bytes])
+
+
 def start_event(pid: int) -> ProcessEvent:
-    return ProcessEvent(event=Oneof("start", ProcessEvent.StartEvent(pid=pid)))
+    event: Oneof[Literal["start"], ProcessEvent.StartEvent] = Oneof("start", ProcessEvent.StartEvent(pid=pid))
+    return ProcessEvent(event=event)
 
 
 def data_event(kind: str, data: bytes) -> ProcessEvent:
-    return ProcessEvent(event=Oneof("data", ProcessEvent.DataEvent(output=Oneof(kind, data))))
+    output = cast(_DataOutput, Oneof(kind, data))  # kind is one of the three: "stdout", "stderr" or "pty"
+    event: Oneof[Literal["data"], ProcessEvent.DataEvent] = Oneof("data", ProcessEvent.DataEvent(output=output))
+    return ProcessEvent(event=event)
 
 
 def end_event(info: ExitInfo) -> ProcessEvent:
     end = ProcessEvent.EndEvent(exit_code=info.exit_code, exited=info.exited, status=info.status)
     if info.error is not None:
         end.error = info.error
-    return ProcessEvent(event=Oneof("end", end))
+    event: Oneof[Literal["end"], ProcessEvent.EndEvent] = Oneof("end", end)
+    return ProcessEvent(event=event)
 
 
-KEEPALIVE_EVENT = ProcessEvent(event=Oneof("keepalive", ProcessEvent.KeepAlive()))
+_KEEPALIVE: Oneof[Literal["keepalive"], ProcessEvent.KeepAlive] = Oneof("keepalive", ProcessEvent.KeepAlive())
+KEEPALIVE_EVENT = ProcessEvent(event=_KEEPALIVE)
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,23 @@ def _make_controlling_tty() -> None:  # runs in the child between fork and exec
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def _identity_kwargs(user: User) -> dict[str, object]:
+class PopenIdentity(TypedDict, total=False):
+    """Popen's arguments that change who the child runs as; empty to run it as the agent's own user."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
+class _PopenCommon(TypedDict):
+    cwd: str
+    env: dict[str, str]
+    umask: int
+    start_new_session: bool
+    close_fds: bool
+
+
+def _identity_kwargs(user: User) -> PopenIdentity:
     if os.geteuid() != 0 or user.uid == os.geteuid():
         return {}  # unprivileged (dev runs) we can only run as ourselves; as ourselves, nothing to change
     return {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
@@ -146,7 +175,7 @@ def _resolve_program(cmd: str, env: dict[str, str]) -> str:
     return found
 
 
-def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[list[str], dict[str, object]]:
+def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[list[str], PopenIdentity]:
     """argv and Popen identity arguments to run `argv` as `user`.
 
     Python's subprocess falls back from vfork to fork when asked to change uid/gid/groups, and a fork of the agent
@@ -184,17 +213,17 @@ class ManagedProcess:
     # --- lifecycle -------------------------------------------------------------------------------------------
     def _spawn(self) -> subprocess.Popen[bytes]:
         spec = self.spec
-        common: dict[str, object] = {
+        common: _PopenCommon = {
             "cwd": spec.cwd, "env": spec.env, "umask": 0o022, "start_new_session": True, "close_fds": True,
         }
         argv = [spec.cmd, *spec.args]
         try:
             if spec.pty_size is not None:
-                return self._spawn_pty(argv, {**common, **_identity_kwargs(spec.user)})
+                return self._spawn_pty(argv, common, _identity_kwargs(spec.user))
             argv, identity = pipe_spawn_argv(argv, spec.user, spec.env)
             popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
                 argv, **identity, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,  # type: ignore[call-overload]
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,
             )
         except OSError as e:
             raise ProcessError(f"error starting process '{spec.cmd}': {e.strerror or e}") from e
@@ -211,7 +240,7 @@ class ManagedProcess:
             self._add_reader(fd, kind)
         return popen
 
-    def _spawn_pty(self, argv: list[str], common: dict[str, object]) -> subprocess.Popen[bytes]:
+    def _spawn_pty(self, argv: list[str], common: _PopenCommon, identity: PopenIdentity) -> subprocess.Popen[bytes]:
         cols, rows = self.spec.pty_size or (80, 24)
         master, slave = os.openpty()
         try:
@@ -219,7 +248,7 @@ class ManagedProcess:
             if os.geteuid() == 0:
                 os.fchown(slave, self.spec.user.uid, -1)  # like grantpt: the terminal belongs to its user
             popen = subprocess.Popen(  # noqa: S603
-                argv, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_make_controlling_tty, **common,  # type: ignore[call-overload]
+                argv, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_make_controlling_tty, **common, **identity,
             )
         except BaseException:
             os.close(master)
@@ -384,6 +413,11 @@ class ManagedProcess:
         fcntl.ioctl(self._pty_fd, termios.TIOCSWINSZ, _winsize(cols, rows))
 
 
+def _set_ready(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
 async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -391,12 +425,7 @@ async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> N
             n = os.write(fd, view)
         except BlockingIOError:
             ready: asyncio.Future[None] = loop.create_future()
-
-            def writable() -> None:
-                if not ready.done():
-                    ready.set_result(None)
-
-            loop.add_writer(fd, writable)
+            loop.add_writer(fd, _set_ready, ready)
             try:
                 await ready
             finally:
@@ -414,6 +443,7 @@ class ProcessTable:
         self._by_pid: dict[int, ManagedProcess] = {}
         self._reaper = reaper
         self._journal = journal or Journal()
+        self._forgetting: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
 
     def start(self, spec: SpawnSpec, lifetime_s: float | None) -> ManagedProcess:
         loop = asyncio.get_running_loop()
@@ -428,7 +458,9 @@ class ProcessTable:
         })
         proc.on_end = self._journal_exit
         proc.start(self._reaper, lifetime_s)
-        loop.create_task(self._forget_later(proc))
+        task = loop.create_task(self._forget_later(proc))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
         return proc
 
     def _journal_exit(self, proc: ManagedProcess) -> None:

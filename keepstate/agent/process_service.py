@@ -21,6 +21,7 @@ from keepstate.agent.process import (
     SpawnSpec,
     start_event,
 )
+from keepstate.agent.proto.process.process_connect import Process
 from keepstate.agent.proto.process.process_pb import (
     CloseStdinRequest,
     CloseStdinResponse,
@@ -76,16 +77,16 @@ async def _event_stream(
         proc.unsubscribe(queue)  # a disconnected client just stops listening; the process runs on
 
 
-class ProcessService:
+class ProcessService(Process):
     def __init__(self, settings: SandboxSettings, table: ProcessTable) -> None:
         self._settings = settings
         self._table = table
 
     def _select(self, selector: ProcessSelector | None) -> ManagedProcess:
         match selector.selector if selector is not None else None:
-            case Oneof(field="pid", value=pid):
+            case Oneof(field="pid", value=int() as pid):
                 return self._table.get(pid=pid)
-            case Oneof(field="tag", value=tag):
+            case Oneof(field="tag", value=str() as tag):
                 return self._table.get(tag=tag)
         raise ConnectError(Code.INVALID_ARGUMENT, "process selector (pid or tag) is required")
 
@@ -165,9 +166,9 @@ class ProcessService:
         proc: ManagedProcess | None = None
         async for message in request:
             match message.event:
-                case Oneof(field="start", value=start):
+                case Oneof(field="start", value=StreamInputRequest.StartEvent() as start):
                     proc = self._find(start.process)
-                case Oneof(field="data", value=data):
+                case Oneof(field="data", value=StreamInputRequest.DataEvent() as data):
                     if proc is None:
                         raise ConnectError(Code.FAILED_PRECONDITION, "first message must be a start event")
                     await self._write(proc, data.input)

@@ -3,7 +3,8 @@
 
 gVisor always reports no_new_privs, so a setuid `sudo` can never gain root here. This client instead hands its argv,
 environment, working directory and stdio file descriptors (SCM_RIGHTS) to the agent, which runs as root, checks who
-is asking (SCM_CREDENTIALS, checked by the kernel) and runs the command; signals are relayed, and the command's exit status becomes ours.
+is asking (SCM_CREDENTIALS, checked by the kernel) and runs the command; signals are relayed, and the command's
+exit status becomes ours.
 
 Only the standard library, no `site` (-S), and only modules that import no others (`_socket`, `_signal`, not
 `socket`, `signal` or `json`, which pull in enum and re): under gVisor those imports alone cost ~35 ms, more than

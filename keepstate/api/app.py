@@ -19,6 +19,7 @@ from aiohttp import web
 
 from keepstate.db.catalog import Catalog
 from keepstate.errors import KeepStateError, Unauthorized
+from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime import network
 from keepstate.runtime.base import Runtime
 from keepstate.sandbox.durable import Durability
@@ -39,14 +40,14 @@ MAX_JSON_BODY = 1 << 20
 class ServerConfig:
     home: Path
     host: str = "127.0.0.1"
-    port: int = 3000
+    port: int = API_PORT
     pool_size: int = 2
     warm_templates: tuple[str, ...] = ("base",)
     open_ports: tuple[int, ...] = field(default_factory=tuple)
     reap_on_exit: bool = False
     store_url: str | None = None  # default file://<home>/store; s3://bucket/prefix?endpoint=... to share
     gateway_config: Path | None = None  # a GatewayConfig file: serve the metering gateway too
-    gateway_port: int = 3100
+    gateway_port: int = GATEWAY_PORT
     standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
     standby_mb: int = 2048  # memory all standbys together may hold
     runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
@@ -134,7 +135,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             row = router.match_signed_file(request)
             if row is None:
                 return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
-            return await router.handle(request, row.sandbox_id, 49983)
+            return await router.handle(request, row.sandbox_id, AGENT_PORT)
         try:
             if request.path != "/health":
                 request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))

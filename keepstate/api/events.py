@@ -1,7 +1,6 @@
 """REST handlers for sessions' causal history and lineage (docs/design/causal-history.md).
 
-The server sets the EventLog and the Lineage on the app, preferably as `app[EVENTS]` and `app[LINEAGE]` (aiohttp
-warns about plain string keys); plain `app["events"]` / `app["lineage"]` are accepted too.
+The server sets the EventLog and the Lineage on the app as `app[EVENTS]` and `app[LINEAGE]`.
 """
 
 from __future__ import annotations
@@ -15,18 +14,17 @@ from keepstate.session import EventLog, Lineage
 
 routes = web.RouteTableDef()
 MAX_LIMIT = 10_000
+MAX_SEQ = 2**63 - 1  # SQLite's INTEGER: a larger `after` would overflow its binding
 EVENTS: web.AppKey[EventLog] = web.AppKey("events", EventLog)
 LINEAGE: web.AppKey[Lineage] = web.AppKey("lineage", Lineage)
 
 
 def _event_log(request: web.Request) -> EventLog:
-    found = request.app.get(EVENTS)
-    return found if found is not None else request.app["events"]  # type: ignore[no-any-return]
+    return request.app[EVENTS]
 
 
 def _lineage(request: web.Request) -> Lineage:
-    found = request.app.get(LINEAGE)
-    return found if found is not None else request.app["lineage"]  # type: ignore[no-any-return]
+    return request.app[LINEAGE]
 
 
 def _session_id(request: web.Request) -> str:
@@ -43,6 +41,8 @@ def _int(request: web.Request, name: str, default: int | None, low: int) -> int 
         raise BadRequest(f"query parameter {name} must be an integer, got {raw!r}") from None
     if value < low:
         raise BadRequest(f"query parameter {name} must be at least {low}")
+    if value > MAX_SEQ:
+        raise BadRequest(f"query parameter {name} must be at most {MAX_SEQ}")
     return value
 
 

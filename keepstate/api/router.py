@@ -94,8 +94,8 @@ class Router:
         if (port == AGENT_PORT and request.method == "POST" and request.path == "/files"
                 and (request.content_length or 0) > self.max_upload):
             return web.json_response(
-                {"code": 413, "message": f"upload of {request.content_length} bytes is larger than this "
-                                         f"server's limit of {self.max_upload} bytes (keepstate serve --max-upload-mb)"},
+                {"code": 413, "message": f"upload of {request.content_length} bytes is larger than this server's "
+                                         f"limit of {self.max_upload} bytes (keepstate serve --max-upload-mb)"},
                 status=413)
         with self.agents.proxying(sandbox_id, request.transport) as flight:
             if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -120,7 +120,7 @@ class Router:
             if flight.cut or self.manager.route(row.sandbox_id) is None:
                 return not_found(row.sandbox_id)
             return port_closed(row.sandbox_id, port)
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+        except (TimeoutError, aiohttp.ClientError, RuntimeError):
             # Cut before its response started (the sandbox was killed, paused or checkpointed): a JSON 502.
             return not_found(row.sandbox_id)
         flight.upstream.append(upstream)
@@ -138,7 +138,7 @@ class Router:
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 # The sandbox went away mid-stream: end the client's connection uncleanly so the
                 # SDK sees an interrupted stream, not a stream that ended normally.
                 if request.transport is not None:

@@ -8,18 +8,11 @@ from typing import IO, Any
 
 import click
 
-from keepstate.cli._store_common import (
-    EXIT_PROBLEMS,
-    emit_json,
-    handle_errors,
-    human_bytes,
-    json_option,
-    open_repo,
-    store_option,
-)
+from keepstate.cli._store_common import emit_json, human_bytes, json_option, open_repo, store_option
+from keepstate.cli.common import EXIT_PROBLEMS, Group
 
 
-@click.group()
+@click.group(cls=Group)
 def checkpoint() -> None:
     """List, verify, export and import checkpoints.
 
@@ -30,15 +23,15 @@ def checkpoint() -> None:
       keepstate checkpoint export 01J9Z3K8W6Y2T5R0M4N7P1Q3S6 session.ksx
       keepstate checkpoint import session.ksx --store file:///srv/other/store
 
-    Exit codes: 0 ok, 1 corrupt or problems found, 2 bad usage, 3 not found, 4 other failure.
+    Exit codes: 0 ok, 1 corrupt or problems found, 2 bad usage, 3 not found, 4 other failure
+    (`keepstate --help`); with --json an error is {"code", "message"} on stdout.
     """
 
 
 @checkpoint.command("ls")
 @store_option
-@json_option
+@json_option()
 @click.option("--session", "session_id", metavar="ID", help="Only checkpoints of this session.")
-@handle_errors
 def ls(store_url: str | None, as_json: bool, session_id: str | None) -> None:
     """List checkpoints, oldest first."""
     manifests = [m for m in open_repo(store_url).list_checkpoints()
@@ -59,8 +52,7 @@ def ls(store_url: str | None, as_json: bool, session_id: str | None) -> None:
 @checkpoint.command("verify")
 @click.argument("checkpoint_id")
 @store_option
-@json_option
-@handle_errors
+@json_option()
 def verify_cmd(checkpoint_id: str, store_url: str | None, as_json: bool) -> None:
     """Check everything a restore of CHECKPOINT_ID would read: ref, manifest, index and every chunk."""
     from keepstate.store.verify import format_report
@@ -98,9 +90,8 @@ class _Bar:
 @click.argument("checkpoint_id")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @store_option
-@json_option
+@json_option()
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@handle_errors
 def export(checkpoint_id: str, file: str, store_url: str | None, as_json: bool, quiet: bool) -> None:
     """Write CHECKPOINT_ID to FILE ('-' for stdout) as one portable, self-verifying archive holding every chunk
     it needs; `keepstate checkpoint import` restores it on any other store."""
@@ -133,9 +124,8 @@ def export(checkpoint_id: str, file: str, store_url: str | None, as_json: bool, 
 @checkpoint.command("import")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @store_option
-@json_option
+@json_option()
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@handle_errors
 def import_cmd(file: str, store_url: str | None, as_json: bool, quiet: bool) -> None:
     """Import an archive written by `keepstate checkpoint export` ('-' reads stdin). Every chunk is verified
     before the checkpoint is published; the store is created if it does not exist."""

@@ -10,10 +10,10 @@ from typing import Any
 import click
 
 from keepstate.config import home
-from keepstate.errors import KeepStateError
+from keepstate.errors import BadRequest, NotFound
 from keepstate.session import DB_FILE, Event, EventLog, Lineage, Replayer
 
-from .common import emit_json, fail, home_option
+from .common import EXIT_PROBLEMS, Command, emit_json, home_option, json_option
 
 
 def _short(data: dict[str, Any], width: int = 60) -> str:
@@ -28,10 +28,10 @@ def _table(events: list[Event]) -> None:
         click.echo(f"{ev.seq:>5}  {when:<23}  {ev.kind:<20}  {ev.hash[:12]}  {_short(ev.data)}")
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("session_id")
 @click.option("--verify", "do_verify", is_flag=True, help="Recompute every hash and link; exit 1 if any is wrong.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (events exactly as they are hashed).")
+@json_option(help="Print JSON (events exactly as they are hashed; errors as {\"code\", \"message\"}).")
 @click.option("--after", type=click.IntRange(min=0), default=0, show_default=True, help="Only events after this seq.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many events.")
 @click.option("--lineage", "show_lineage", is_flag=True, help="Print the session's lineage tree (JSON) instead.")
@@ -53,12 +53,13 @@ def events(session_id: str, do_verify: bool, as_json: bool, after: int, limit: i
       keepstate events i1a2b3c4d5e6f7 --lineage      # checkpoints and forks
       keepstate events i1a2b3c4d5e6f7 --replay --api-url http://127.0.0.1:3000 --api-key $E2B_API_KEY
 
-    Exit codes: 0 ok, 1 verification failed / replay diverged / unknown session, 2 usage error.
+    Exit codes: 0 ok, 1 verification failed / replay diverged, 2 usage error, 3 unknown session,
+    4 other failure (`keepstate --help`).
     Design: docs/design/causal-history.md.
     """
     path = home() / DB_FILE
     if not path.exists():
-        fail(f"no session database at {path}; pass --home or set KEEPSTATE_HOME")
+        raise NotFound(f"no session database at {path}; pass --home or set KEEPSTATE_HOME")
     log = EventLog(path)
     try:
         if show_lineage:
@@ -70,13 +71,12 @@ def events(session_id: str, do_verify: bool, as_json: bool, after: int, limit: i
         else:
             evs = log.read(session_id, after=after, limit=limit)
             if not evs and not log.exists(session_id):
-                fail(f"no events for session {session_id}; see `keepstate checkpoint ls` for known sessions")
+                raise NotFound(f"no events for session {session_id}; see `keepstate checkpoint ls` for known "
+                               "sessions")
             if as_json:
                 emit_json([e.to_dict() for e in evs])
             else:
                 _table(evs)
-    except KeepStateError as exc:
-        fail(exc.message)
     finally:
         log.close()
 
@@ -91,13 +91,13 @@ def _verify(log: EventLog, session_id: str, as_json: bool) -> None:
         click.echo(f"FAILED at seq {result.first_bad_seq}: {result.reason} ({result.checked} events verified before "
                    "it)", err=True)
     if not result.ok:
-        sys.exit(1)
+        sys.exit(EXIT_PROBLEMS)
 
 
 def _replay(log: EventLog, session_id: str, api_url: str | None, api_key: str | None, template: str | None,
             as_json: bool) -> None:
     if not api_url or not api_key:
-        fail("--replay needs --api-url and --api-key (or $E2B_API_URL and $E2B_API_KEY)", code=2)
+        raise BadRequest("--replay needs --api-url and --api-key (or $E2B_API_URL and $E2B_API_KEY)")
     history = log.causal_history(session_id)
     if template is None:
         created = next((e for e in history if e.kind == "sandbox.create"), None)
@@ -114,4 +114,4 @@ def _replay(log: EventLog, session_id: str, api_url: str | None, api_key: str | 
             click.echo(f"{r.seq:>5}  {r.outcome:<15}  {r.detail}")
         click.echo(", ".join(f"{n} {k}" for k, n in sorted(report.counts().items())) or "nothing to replay", err=True)
     if not report.ok:
-        sys.exit(1)
+        sys.exit(EXIT_PROBLEMS)

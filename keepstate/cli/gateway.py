@@ -7,9 +7,14 @@ from pathlib import Path
 
 import click
 
+from keepstate.errors import BadRequest
+from keepstate.ports import GATEWAY_PORT
 
-@click.command()
-@click.option("--listen", default="127.0.0.1:3100", show_default=True, help="HOST:PORT to serve on.")
+from .common import Command
+
+
+@click.command(cls=Command)
+@click.option("--listen", default=f"127.0.0.1:{GATEWAY_PORT}", show_default=True, help="HOST:PORT to serve on.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Gateway config (TOML or JSON); format in docs/design/gateway.md.")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), envvar="KEEPSTATE_HOME",
@@ -30,11 +35,11 @@ def gateway(listen: str, config_path: Path | None, home: Path | None) -> None:
 
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
-        raise click.BadParameter("expected HOST:PORT, e.g. 127.0.0.1:3100", param_hint="--listen")
+        raise click.BadParameter(f"expected HOST:PORT, e.g. 127.0.0.1:{GATEWAY_PORT}", param_hint="--listen")
     try:
         cfg = GatewayConfig.from_file(config_path) if config_path else GatewayConfig()
     except ConfigError as e:
-        raise click.ClickException(str(e)) from e
+        raise BadRequest(str(e)) from e
     if home is not None:
         cfg.data_dir = home
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

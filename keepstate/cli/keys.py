@@ -8,8 +8,9 @@ import click
 
 from keepstate.config import home
 from keepstate.db.catalog import Catalog
+from keepstate.errors import NotFound
 
-from .common import emit_json, fail, home_option
+from .common import Group, emit_json, home_option, json_option
 
 DEV_KEY_FILE = "dev-api-key"
 
@@ -18,7 +19,7 @@ def _catalog() -> Catalog:
     return Catalog(home() / "catalog.sqlite")
 
 
-@click.group()
+@click.group(cls=Group)
 def keys() -> None:
     """Create, list and revoke API keys.
 
@@ -41,7 +42,7 @@ def create(name: str) -> None:
 
 
 @keys.command("ls")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @home_option
 def ls(as_json: bool) -> None:
     """List keys (never their secrets)."""
@@ -61,7 +62,7 @@ def ls(as_json: bool) -> None:
 def revoke(key_id: str) -> None:
     """Revoke the key with ID KEY_ID (see `keepstate keys ls`)."""
     if not _catalog().revoke_key(key_id):
-        fail(f"no active key with id {key_id}; see `keepstate keys ls`")
+        raise NotFound(f"no active key with id {key_id}; see `keepstate keys ls`")
     click.echo(f"revoked {key_id}", err=True)
 
 

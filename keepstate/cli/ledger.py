@@ -10,18 +10,30 @@ from typing import Any
 
 import click
 
+from keepstate.errors import BadRequest, KeepStateError, NotFound
+
+from .common import EXIT_PROBLEMS, Group, json_option
+
 
 def _open(home: Path | None, config_path: Path | None) -> Any:
-    from keepstate.gateway import GatewayConfig
-    from keepstate.gateway.prices import PriceTable
-    from keepstate.gateway.store import Store
+    from keepstate.gateway import ConfigError, GatewayConfig
+    from keepstate.gateway.prices import PriceTable, PriceTableError
+    from keepstate.gateway.store import Store, StoreError
 
-    cfg = GatewayConfig.from_file(config_path) if config_path else GatewayConfig()
+    try:
+        cfg = GatewayConfig.from_file(config_path) if config_path else GatewayConfig()
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from exc
     if home is not None:
         cfg.data_dir = home
     if not cfg.db_path.exists():
-        raise click.ClickException(f"no gateway ledger at {cfg.db_path} (set --home or $KEEPSTATE_HOME)")
-    return cfg, Store(cfg.db_path), PriceTable.load(cfg.price_table)
+        raise NotFound(f"no gateway ledger at {cfg.db_path} (set --home or $KEEPSTATE_HOME)")
+    try:
+        return cfg, Store(cfg.db_path), PriceTable.load(cfg.price_table)
+    except PriceTableError as exc:
+        raise BadRequest(str(exc)) from exc
+    except StoreError as exc:
+        raise KeepStateError(str(exc)) from exc
 
 
 _home = click.option("--home", type=click.Path(file_okay=False, path_type=Path), envvar="KEEPSTATE_HOME",
@@ -30,9 +42,9 @@ _config = click.option("--config", "config_path", type=click.Path(exists=True, d
                        help="Gateway config: price table override and providers' stats URLs.")
 
 
-@click.group(invoke_without_command=True)
+@click.group(cls=Group, invoke_without_command=True)
 @click.option("--session", "session_id", help="Only this session's entries.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON: {entries, totals}.")
+@json_option(help="Print JSON: {entries, totals} (errors as {\"code\", \"message\"}).")
 @_home
 @_config
 @click.pass_context
@@ -67,13 +79,13 @@ def ledger(ctx: click.Context, session_id: str | None, as_json: bool, home: Path
 
 
 @ledger.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON.")
+@json_option(help="Print the mismatches as JSON (errors as {\"code\", \"message\"}).")
 @_home
 @_config
 def reconcile(as_json: bool, home: Path | None, config_path: Path | None) -> None:
     """Check the ledger against the stored responses, the budgets and the providers' own counts.
 
-    Exit codes: 0 clean, 1 mismatches found (each is printed).
+    Exit codes: 0 clean, 1 mismatches found (each is printed), 3 no ledger, 4 other failure (`keepstate --help`).
     """
     from keepstate.gateway.ledger import reconcile as run_reconcile
 
@@ -93,4 +105,4 @@ def reconcile(as_json: bool, home: Path | None, config_path: Path | None) -> Non
         for m in found:
             click.echo(f"MISMATCH {m.check}: {m.subject}: {m.detail}")
         click.echo("ledger reconciled: clean" if not found else f"{len(found)} mismatches", err=True)
-    sys.exit(1 if found else 0)
+    sys.exit(EXIT_PROBLEMS if found else 0)

@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from keepstate.cli.common import EXIT_CODES_HELP, Group
+
 # name -> ("module:attribute" of a click command or group, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("keepstate.cli.serve:serve", "Run the API server and data-plane router."),
@@ -25,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(SUBCOMMANDS)
 
@@ -42,7 +44,7 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup)
+@click.group(cls=LazyGroup, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="keepstate")
 def cli() -> None:
     """KeepState: E2B-compatible sandboxes on gVisor, with durable sessions.

@@ -14,8 +14,10 @@ from typing import Any
 import click
 
 from keepstate.config import home
+from keepstate.errors import BadRequest, KeepStateError, Unauthorized, Unavailable
+from keepstate.ports import AGENT_PORT, API_PORT
 
-from .common import emit_json, fail
+from .common import Group, RemoteError, emit_json, json_option
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -26,6 +28,10 @@ class Api:
         self.key = key
 
     def call(self, method: str, path: str, body: object | None = None) -> tuple[Any, dict[str, str]]:
+        """One API call; an error answer raises RemoteError carrying the server's JSON error unchanged."""
+        if not self.key:
+            raise Unauthorized("no API key: pass --api-key, set E2B_API_KEY, or create one with "
+                               "`keepstate keys create NAME`")
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"X-API-KEY": self.key, "Content-Type": "application/json"})
@@ -35,14 +41,15 @@ class Api:
                 return (json.loads(raw) if raw else None), dict(r.headers)
         except urllib.error.HTTPError as e:
             try:
-                msg = json.loads(e.read()).get("message", e.reason)
+                answer = json.loads(e.read())
             except ValueError:
-                msg = e.reason
-            fail(f"{method} {path}: {e.code} {msg}")
+                answer = None
+            if not isinstance(answer, dict) or "message" not in answer:
+                answer = {"code": e.code, "message": str(e.reason)}
+            raise RemoteError(e.code, answer, f"{method} {path}") from None
         except urllib.error.URLError as e:
-            fail(f"cannot reach the KeepState server at {self.url} ({e.reason}); is `keepstate serve` running? "
-                 f"(--api-url / E2B_API_URL)")
-        raise AssertionError("unreachable")
+            raise Unavailable(f"cannot reach the KeepState server at {self.url} ({e.reason}); is `keepstate serve` "
+                              "running? (--api-url / E2B_API_URL)") from None
 
 
 def _default_key() -> str:
@@ -55,8 +62,8 @@ def _default_key() -> str:
         return ""
 
 
-@click.group()
-@click.option("--api-url", envvar="E2B_API_URL", default="http://127.0.0.1:3000", show_default=True,
+@click.group(cls=Group)
+@click.option("--api-url", envvar="E2B_API_URL", default=f"http://127.0.0.1:{API_PORT}", show_default=True,
               help="The KeepState server (E2B_API_URL).")
 @click.option("--api-key", envvar="E2B_API_KEY", default=None,
               help="API key (E2B_API_KEY; default: the development key `make up` created).")
@@ -71,23 +78,24 @@ def sandbox(ctx: click.Context, api_url: str, api_key: str | None) -> None:
       keepstate sandbox ls --json
       keepstate sandbox pause <id>; keepstate sandbox resume <id>
       keepstate sandbox kill <id>
+
+    Errors are the server's: with --json its error object {"code", "message"} on stdout as it sent it, else
+    `error: MESSAGE` on stderr; exit 2 for a refused request (400), 3 for an unknown sandbox (404), 4 otherwise.
     """
-    key = api_key or _default_key()
-    if not key:
-        fail("no API key: pass --api-key, set E2B_API_KEY, or create one with `keepstate keys create NAME`")
-    ctx.obj = Api(api_url, key)
+    ctx.obj = Api(api_url, api_key or _default_key())  # a missing key is reported by the first call
 
 
 @sandbox.command("ls")
 @click.option("--state", default="running,paused", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_obj
 def ls(api: Api, state: str, as_json: bool) -> None:
     """List sandboxes (newest first)."""
     rows: list[dict[str, Any]] = []
     token = ""
     while True:
-        page, headers = api.call("GET", f"/v2/sandboxes?state={state}&limit=100" + (f"&nextToken={token}" if token else ""))
+        page, headers = api.call("GET", f"/v2/sandboxes?state={state}&limit=100"
+                                 + (f"&nextToken={token}" if token else ""))
         rows.extend(page)
         token = headers.get("X-Next-Token", "")
         if not token:
@@ -105,7 +113,7 @@ def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
     out = {}
     for v in values:
         if "=" not in v:
-            fail(f"{what} must look like KEY=VALUE, got {v!r}")
+            raise BadRequest(f"{what} must look like KEY=VALUE, got {v!r}")
         k, val = v.split("=", 1)
         out[k] = val
     return out
@@ -117,7 +125,7 @@ def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option("--metadata", "-m", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--env", "-e", multiple=True, help="KEY=VALUE for every process, repeatable.")
 @click.option("--auto-pause", is_flag=True, help="Pause instead of kill at the timeout.")
-@click.option("--json", "as_json", is_flag=True, help="Print the whole response as JSON.")
+@json_option(help="Print the whole response as JSON (errors as {\"code\", \"message\"}).")
 @click.pass_obj
 def create(api: Api, template: str, timeout: int, metadata: tuple[str, ...], env: tuple[str, ...],
            auto_pause: bool, as_json: bool) -> None:
@@ -176,13 +184,14 @@ def exec_(api: Api, sandbox_id: str, command: tuple[str, ...], user: str | None,
     """
     import shlex
 
+    from connectrpc.errors import ConnectError
     from protobuf import Oneof
 
     from keepstate.agent.proto.process.process_connect import ProcessClientSync
-    from keepstate.agent.proto.process.process_pb import ProcessConfig, StartRequest
+    from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, StartRequest
 
     info, _ = api.call("POST", f"/v2/sandboxes/{sandbox_id}/connect", {})
-    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT)}
     if info.get("envdAccessToken"):
         headers["X-Access-Token"] = info["envdAccessToken"]
     if user:
@@ -192,16 +201,19 @@ def exec_(api: Api, sandbox_id: str, command: tuple[str, ...], user: str | None,
     config = ProcessConfig(cmd="/bin/bash", args=["-l", "-c", line], envs={}, cwd=cwd) if cwd else \
         ProcessConfig(cmd="/bin/bash", args=["-l", "-c", line], envs={})
     code = 1
-    for resp in client.start(StartRequest(process=config, stdin=False), headers=headers, timeout_ms=None):
-        match resp.event.event if resp.event else None:
-            case Oneof(field="data", value=data):
-                match data.output:
-                    case Oneof(field="stdout", value=chunk):
-                        sys.stdout.buffer.write(chunk)
-                        sys.stdout.flush()
-                    case Oneof(field="stderr", value=chunk):
-                        sys.stderr.buffer.write(chunk)
-                        sys.stderr.flush()
-            case Oneof(field="end", value=end):
-                code = end.exit_code
+    try:
+        for resp in client.start(StartRequest(process=config, stdin=False), headers=headers, timeout_ms=None):
+            match resp.event.event if resp.event else None:
+                case Oneof(field="data", value=ProcessEvent.DataEvent() as data):
+                    match data.output:
+                        case Oneof(field="stdout", value=chunk):
+                            sys.stdout.buffer.write(chunk)
+                            sys.stdout.flush()
+                        case Oneof(field="stderr", value=chunk):
+                            sys.stderr.buffer.write(chunk)
+                            sys.stderr.flush()
+                case Oneof(field="end", value=ProcessEvent.EndEvent() as end):
+                    code = end.exit_code
+    except ConnectError as exc:
+        raise KeepStateError(f"exec in {sandbox_id}: {exc}") from None
     sys.exit(code if 0 <= code < 256 else 1)

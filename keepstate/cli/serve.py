@@ -9,12 +9,13 @@ from pathlib import Path
 import click
 
 from keepstate.config import home
+from keepstate.ports import API_PORT, GATEWAY_PORT
 
-from .common import home_option
+from .common import Command, home_option
 
 
-@click.command()
-@click.option("--listen", default="127.0.0.1:3000", show_default=True, help="HOST:PORT to listen on.")
+@click.command(cls=Command)
+@click.option("--listen", default=f"127.0.0.1:{API_PORT}", show_default=True, help="HOST:PORT to listen on.")
 @click.option("--pool-size", default=2, show_default=True, type=int,
               help="Pre-started sandboxes kept ready per template (0 disables the warm pool).")
 @click.option("--warm", default="base", show_default=True,
@@ -27,7 +28,7 @@ from .common import home_option
               help="Metering gateway configuration (providers, budgets; docs/design/gateway.md). With it, the "
                    "gateway serves sandboxes on 10.88.255.254:PORT and the host on 127.0.0.1:PORT, and every "
                    "sandbox gets OPENAI_*/ANTHROPIC_* variables pointing at it.")
-@click.option("--gateway-port", default=3100, show_default=True, type=int, help="The gateway's port.")
+@click.option("--gateway-port", default=GATEWAY_PORT, show_default=True, type=int, help="The gateway's port.")
 @click.option("--standby-seconds", default=300, show_default=True, type=int,
               help="How long a paused sandbox is also kept frozen in memory, so that resuming it is a thaw "
                    "(milliseconds) instead of a restore from the store; 0 disables standbys.")
@@ -35,11 +36,15 @@ from .common import home_option
               help="Memory all standbys together may hold; the oldest are released first.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
+@click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
+              help="Sandbox engine. `fake` runs keepstate.testing.FakeRuntime: in-process fake sandboxes with no "
+                   "isolation and no command execution, for tests of the API and lifecycle only.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
-          gateway_port: int, standby_seconds: int, standby_mb: int, reap_on_exit: bool, log_level: str) -> None:
+          gateway_port: int, standby_seconds: int, standby_mb: int, reap_on_exit: bool, runtime_kind: str,
+          log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -58,12 +63,14 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = listen.rpartition(":")
     warm_names = tuple(w for w in warm.split(",") if w)
-    for name in warm_names:
-        builder.ensure_built(name)
+    if runtime_kind != "fake":  # the fake runtime's templates need no build
+        for name in warm_names:
+            builder.ensure_built(name)
     config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
-                          gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb)
+                          gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
+                          runtime=runtime_kind)
     try:
         import uvloop
 

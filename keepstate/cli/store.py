@@ -6,18 +6,11 @@ import sys
 
 import click
 
-from keepstate.cli._store_common import (
-    EXIT_PROBLEMS,
-    emit_json,
-    handle_errors,
-    human_bytes,
-    json_option,
-    open_repo,
-    store_option,
-)
+from keepstate.cli._store_common import emit_json, human_bytes, json_option, open_repo, store_option
+from keepstate.cli.common import EXIT_PROBLEMS, Group
 
 
-@click.group()
+@click.group(cls=Group)
 def store() -> None:
     """Verify and garbage-collect the checkpoint store.
 
@@ -27,15 +20,15 @@ def store() -> None:
       keepstate store gc --json                    # reclaim what no checkpoint references
       keepstate store verify --store 's3://bucket/ks?endpoint=http://127.0.0.1:8333'
 
-    Exit codes: 0 ok, 1 problems found, 2 bad usage, 3 store not found, 4 other failure (e.g. locked).
+    Exit codes: 0 ok, 1 problems found, 2 bad usage, 3 store not found, 4 other failure (e.g. locked)
+    (`keepstate --help`); with --json an error is {"code", "message"} on stdout.
     The format is specified in docs/design/checkpoint-format.md.
     """
 
 
 @store.command()
 @store_option
-@json_option
-@handle_errors
+@json_option()
 def verify(store_url: str | None, as_json: bool) -> None:
     """Check every object: refs, manifests, index objects, and every chunk of every pack."""
     from keepstate.store.verify import format_report
@@ -51,11 +44,10 @@ def verify(store_url: str | None, as_json: bool) -> None:
 
 @store.command()
 @store_option
-@json_option
+@json_option()
 @click.option("--repack-threshold", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Rewrite a pack when more than this share of it is dead (0 reclaims every dead chunk, "
                    "1 only drops wholly dead packs).")
-@handle_errors
 def gc(store_url: str | None, as_json: bool, repack_threshold: float) -> None:
     """Remove what no checkpoint references: dead packs and chunks, old index objects, leftovers of
     interrupted writes. Needs the store to itself (fails with exit 4 while a writer holds a lock)."""

@@ -6,14 +6,12 @@ import time
 
 import click
 
-from keepstate.errors import KeepStateError
-
-from .common import emit_json, fail, home_option
+from .common import Group, emit_json, home_option, json_option
 
 
-@click.group()
+@click.group(cls=Group)
 def template() -> None:
-    """List and build sandbox templates (definitions in the repo's templates/ folder).
+    """List and build sandbox templates (definitions: keepstate/template/definitions/, or $KEEPSTATE_TEMPLATES).
 
     \b
     Examples:
@@ -24,7 +22,7 @@ def template() -> None:
 
 
 @template.command("ls")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @home_option
 def ls(as_json: bool) -> None:
     """List templates, whether they are built, and their digests."""
@@ -36,7 +34,7 @@ def ls(as_json: bool) -> None:
         return
     click.echo(f"{'NAME':<22} {'BUILT':<6} {'DIGEST':<18} {'CPU':>4} {'MEM MB':>7}  BUILT AT")
     for r in rows:
-        at = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["built_at"])) if r["built_at"] else "-"
+        at = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(str(r["built_at"])))) if r["built_at"] else "-"
         digest = str(r["digest"])[:16] if r["digest"] else "-"
         click.echo(f"{r['name']:<22} {'yes' if r['built'] else 'no':<6} {digest:<18} {r['cpu']:>4} "
                    f"{r['memory_mb']:>7}  {at}")
@@ -50,9 +48,5 @@ def build(name: str, force: bool) -> None:
     """Build template NAME (cached: only rebuilt when its definition changes)."""
     from keepstate.template.builder import ensure_built
 
-    try:
-        b = ensure_built(name, force=force)
-    except KeepStateError as exc:
-        fail(exc.message)
-        return
+    b = ensure_built(name, force=force)
     click.echo(f"{b.name} {b.digest}")

@@ -136,7 +136,8 @@ class Catalog:
             "end_at=excluded.end_at, cpu=excluded.cpu, memory_mb=excluded.memory_mb, "
             "api_key_id=excluded.api_key_id, doc=excluded.doc",
             (s.sandbox_id, s.state, s.template_id, s.template_digest, s.runtime_name, s.slot, s.address,
-             s.access_token, s.started_at, s.end_at, s.cpu, s.memory_mb, s.api_key_id, json.dumps(s.settings.to_json())),
+             s.access_token, s.started_at, s.end_at, s.cpu, s.memory_mb, s.api_key_id,
+             json.dumps(s.settings.to_json())),
         )
 
     def rename_sandbox(self, old_id: str, new: SandboxRow) -> None:

@@ -42,9 +42,9 @@ def worst_case(endpoint: str, body: dict[str, Any], body_bytes: int, default_max
     fields = OUTPUT_LIMIT_FIELDS[endpoint]
     if not fields:
         return WorstCase(input_tokens, 0, None)
-    limit = next((body[f] for f in fields if isinstance(body.get(f), int) and body[f] > 0), None)
+    limit: int | None = next((body[f] for f in fields if isinstance(body.get(f), int) and body[f] > 0), None)
     cap_field = None
     if limit is None:
         limit, cap_field = default_max_output, fields[0]
-    n = body.get("n") if endpoint == "chat" and isinstance(body.get("n"), int) else 1
+    n: int = body["n"] if endpoint == "chat" and isinstance(body.get("n"), int) else 1
     return WorstCase(input_tokens, limit * max(1, n), cap_field)

@@ -100,7 +100,7 @@ class UpstreamCall:
                     if resp.status == 200:
                         outcome, usage = "ok", _usage_of(call.endpoint, body)
                     held = [Chunk(body, True)]
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             held = []
             if call.status is None:
                 call.error = (

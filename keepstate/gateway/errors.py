@@ -53,7 +53,8 @@ def unauthenticated() -> GatewayError:
 
 
 def unknown_model(model: str) -> GatewayError:
-    return GatewayError(404, "not_found", f"The model `{model}` does not exist or you do not have access to it.", "model")
+    return GatewayError(404, "not_found", f"The model `{model}` does not exist or you do not have access to it.",
+                        "model")
 
 
 def over_budget(scope: str, ident: str) -> GatewayError:

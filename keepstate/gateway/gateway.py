@@ -19,7 +19,7 @@ import aiohttp
 
 from keepstate.gateway import budget, callkey, errors, marks, providers
 from keepstate.gateway.calls import InflightCall, UpstreamCall, now, stored_chunks
-from keepstate.gateway.config import GatewayConfig, ProviderConfig
+from keepstate.gateway.config import GatewayConfig, ProviderConfig, ProviderKind
 from keepstate.gateway.errors import GatewayError
 from keepstate.gateway.prices import NANO_PER_USD, PriceTable
 from keepstate.gateway.store import Attempt, BudgetRefused, Mark, Position, Run, Store, owner_alive
@@ -280,7 +280,7 @@ class Gateway:
     def route(self, endpoint: str, model: Any) -> ProviderConfig:
         if not isinstance(model, str) or not model:
             raise errors.invalid("you must provide a model parameter", "model")
-        kind = "anthropic" if endpoint == "messages" else "openai"
+        kind: ProviderKind = "anthropic" if endpoint == "messages" else "openai"
         provider = self.config.provider_for(kind, model)
         if provider is None:
             raise errors.unknown_model(model)
@@ -342,7 +342,8 @@ class Gateway:
         mark = self.store.mark(run.checkpoint_id)
         if mark is None or mark.run_id == run.run_id:
             return key, ordinal, ordinal
-        if not (mark.session_id == run.session_id or (run.mode == "replay" and mark.session_id == run.parent_session_id)):
+        if not (mark.session_id == run.session_id
+                or (run.mode == "replay" and mark.session_id == run.parent_session_id)):
             return key, ordinal, ordinal
         source = self._source_position(state, mark, ordinal, digest)
         if source is None:

@@ -330,7 +330,8 @@ class Store:
         )
 
     def divergences(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        q, args = "SELECT * FROM divergences", ()
+        q = "SELECT * FROM divergences"
+        args: tuple[str, ...] = ()
         if run_id is not None:
             q, args = q + " WHERE run_id=?", (run_id,)
         return [dict(r) for r in self.db.execute(q + " ORDER BY id", args)]
@@ -471,7 +472,8 @@ class Store:
         return [dict(r) for r in self.db.execute("SELECT * FROM budgets ORDER BY scope, ident")]
 
     def entries(self, session_id: str | None = None) -> list[dict[str, Any]]:
-        q, args = "SELECT * FROM ledger", ()
+        q = "SELECT * FROM ledger"
+        args: tuple[str, ...] = ()
         if session_id is not None:
             q, args = q + " WHERE session_id=?", (session_id,)
         return [dict(r) for r in self.db.execute(q + " ORDER BY entry_id", args)]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from keepstate.ports import AGENT_PORT
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -48,7 +50,7 @@ class Endpoint:
     """
 
     address: str
-    agent_port: int = 49983
+    agent_port: int = AGENT_PORT
 
     def url(self, port: int | None = None) -> str:
         return f"http://{self.address}:{port or self.agent_port}"
@@ -72,7 +74,8 @@ class SlotTable(Protocol):
     """Network slots, claimed host-wide (several servers may share a host); a slot records which instance holds it,
     so a server can reap the instances of a data directory that is gone (runtime/network.py for gVisor)."""
 
-    max_slots: int
+    @property
+    def max_slots(self) -> int: ...
 
     def claim(self, slot: int) -> bool:
         """Claim a free slot; False if another holds it."""
@@ -95,9 +98,15 @@ class Runtime(Protocol):
     Instance states, as `state` and `statuses` report them: "running", "paused" (frozen), "gone" (no such
     instance), or another word of the engine's for an instance on its way out (e.g. "stopped")."""
 
-    kind: str
-    release: str  # the engine's release: a checkpoint restores only on the same one
-    slots: SlotTable
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def release(self) -> str:
+        """The engine's release: a checkpoint restores only on the same one."""
+
+    @property
+    def slots(self) -> SlotTable: ...
 
     def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
         """Host set-up before the first sandbox (firewall rules); idempotent."""

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import keepstate
+from keepstate.ports import AGENT_PORT
 
 from . import network
 from .base import Endpoint, Handle, RuntimeFailure, SandboxSpec, host_cpu_flags
 
 __all__ = ["GVisorRuntime", "HostSlots", "host_cpu_flags", "runsc_release", "have_runsc", "oci_spec"]
 
-AGENT_PORT = 49983
 CGROUP_PARENT = "keepstate"
 _CAPS = [
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",

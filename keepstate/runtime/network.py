@@ -78,7 +78,7 @@ def orphaned_slots() -> list[tuple[int, str]]:
     """Slots whose owning data directory no longer exists: (slot, runtime name) to reap."""
     import json
 
-    out = []
+    out: list[tuple[int, str]] = []
     try:
         names = os.listdir(SLOTS_DIR)
     except FileNotFoundError:

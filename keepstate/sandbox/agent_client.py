@@ -127,7 +127,7 @@ class AgentClient:
                         http.get(agent_url(address) + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status < 300:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeFailure(f"agent of {sandbox_id} did not answer within {timeout:.0f}s")

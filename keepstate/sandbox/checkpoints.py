@@ -114,7 +114,7 @@ class Checkpoints:
                 raise RuntimeFailure(f"its instance is {state}, not frozen")
             await asyncio.to_thread(self.runtime.thaw, Handle(standby.name, standby.slot))
             await self.agents.wait_ready(row.sandbox_id, standby.address, RESTORED_AGENT_TIMEOUT)
-        except (RuntimeFailure, KeepStateError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RuntimeFailure, KeepStateError, OSError) as exc:
             log.warning("standby of %s cannot resume (%s); restoring its checkpoint instead", row.sandbox_id, exc)
             await self.instances.reap(row.with_instance(standby), keep_row=True)
             return False

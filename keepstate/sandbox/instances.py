@@ -98,7 +98,7 @@ class Instances:
                     writer.close()
                     await writer.wait_closed()
                     break
-                except (OSError, asyncio.TimeoutError):
+                except (TimeoutError, OSError):
                     if time.monotonic() > deadline:
                         raise RuntimeFailure(f"service port {port} of {row.sandbox_id} did not open within "
                                              f"{SERVICE_READY_TIMEOUT:.0f}s") from None

@@ -87,7 +87,7 @@ async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[
             disk_used, disk_total = int(figures.get("disk_used", 0)), int(figures.get("disk_total", 0))
     except Quiesced:
         return {}  # checkpointed meanwhile: no sample this round, and not dead
-    except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientConnectorError):
         return None  # the agent does not answer: the caller asks the runtime whether it is gone
     except (aiohttp.ClientError, ValueError):
         pass

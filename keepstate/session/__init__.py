@@ -21,7 +21,7 @@ from .replay import Executor, Replayer, ReplayReport, Step, StepResult, plan
 DB_FILE = "sessions.sqlite"
 
 __all__ = [
-    "DB_FILE", "GENESIS", "CheckpointRow", "Event", "EventLog", "EventRef", "Executor", "JournalError",
-    "JournalPoller", "Lineage", "ReplayReport", "Replayer", "SessionDB", "SessionRecorder", "SessionRow", "Step", "StepResult",
-    "VerifyResult", "canonical", "event_hash", "plan", "pull_journal", "verify_events",
+    "DB_FILE", "GENESIS", "CheckpointRow", "Event", "EventLog", "EventRef", "Executor", "JournalBusy", "JournalError",
+    "JournalPoller", "Lineage", "ReplayReport", "Replayer", "SessionDB", "SessionRecorder", "SessionRow", "Step",
+    "StepResult", "VerifyResult", "canonical", "event_hash", "plan", "pull_journal", "verify_events",
 ]

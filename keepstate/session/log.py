@@ -203,7 +203,7 @@ class EventLog:
             if not result.ok:
                 raise BadRequest(f"imported history of session {sid} does not verify: {result.reason}")
             local = self.read(sid)
-            for mine, theirs in zip(local, chain):
+            for mine, theirs in zip(local, chain, strict=False):  # the shared prefix
                 if mine.hash != theirs.hash:
                     raise Conflict(f"session {sid} already has a different event {mine.seq} on this server")
             new = chain[len(local):]

@@ -12,11 +12,12 @@ import logging
 from typing import Any
 
 from keepstate.errors import NotFound
+from keepstate.store.manifest import EventRef
 
 from .event import Event
 from .journal import JournalError, JournalPoller
 from .lineage import Lineage
-from .log import EventLog, EventRef
+from .log import EventLog
 
 log = logging.getLogger("keepstate.session.recorder")
 

@@ -10,7 +10,7 @@ import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 from .event import Event
 
@@ -51,6 +51,33 @@ class Step:
         if self.action == "run":
             return " ".join([self.cmd, *self.args])[:200]
         return f"{self.kind} {self.path or ''}".strip()
+
+
+class _StepOrigin(TypedDict):
+    """The fields every step shares with the event it came from."""
+
+    session_id: str
+    seq: int
+    kind: str
+
+
+class _RunFields(TypedDict):
+    """A recorded process.start's command, as `Step` fields."""
+
+    cmd: str
+    args: tuple[str, ...]
+    cwd: str | None
+    user: str | None
+    envs: dict[str, str]
+
+
+class _ResultOrigin(TypedDict):
+    """The fields a result copies from its step."""
+
+    session_id: str
+    seq: int
+    kind: str
+    action: str
 
 
 @dataclass(frozen=True)
@@ -130,7 +157,7 @@ def plan(events: Sequence[Event]) -> list[Step]:
 
     steps: list[Step] = []
     for i, ev in enumerate(events):
-        base = {"session_id": ev.session_id, "seq": ev.seq, "kind": ev.kind}
+        base: _StepOrigin = {"session_id": ev.session_id, "seq": ev.seq, "kind": ev.kind}
         d = ev.data
         user = d.get("user") if isinstance(d.get("user"), str) else None
         if ev.kind not in ("process.start", "file.write", "file.remove", "file.move", "dir.make"):
@@ -140,7 +167,7 @@ def plan(events: Sequence[Event]) -> list[Step]:
                               reason="recorded after a checkpoint that a later resume went back to"))
             continue
         if ev.kind == "process.start":
-            run = {"cmd": str(d.get("cmd", "")), "args": _str_list(d.get("args")),
+            run: _RunFields = {"cmd": str(d.get("cmd", "")), "args": _str_list(d.get("args")),
                    "cwd": d.get("cwd") or None, "user": user,
                    "envs": {str(k): str(v) for k, v in (d.get("envs") or {}).items()}}
             exit_data = exits.get(i)
@@ -200,7 +227,8 @@ class Replayer:
         return ReplayReport(results)
 
     def _one(self, step: Step) -> StepResult:
-        base = {"session_id": step.session_id, "seq": step.seq, "kind": step.kind, "action": step.action}
+        base: _ResultOrigin = {"session_id": step.session_id, "seq": step.seq, "kind": step.kind,
+                               "action": step.action}
         if step.skip is not None:
             return StepResult(**base, outcome=step.skip, detail=f"{step.describe()}: {step.reason}")
         try:

@@ -1,7 +1,9 @@
-"""Cutting image files into chunks: fixed page-aligned blocks for memory images, FastCDC for other files.
+"""Cutting image files into chunks by their kind (docs/design/checkpoint-format.md, *kind*).
 
-Memory images change by in-place page overwrites, which fixed blocks turn into a few changed blocks; files change by
-insertions, which would shift every later fixed block, so they are cut where their content says (FastCDC).
+Kind "memory": fixed page-aligned blocks, for an image rewritten in place, whose page overwrites then change only
+their own blocks. Kind "file": FastCDC, for content that moves or grows by insertions, which would shift every later
+fixed block, so it is cut where its content says. The server stores every file as kind "file", gVisor's memory
+image pages.img included: it holds committed pages in allocation order, so pages move between checkpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from pyfastcdc import FastCDC
 
 PAGE_SIZE = 4096
-# Large sequential reads for memory images; a multiple of every sane block size.
+# Large sequential reads for kind "memory"; a multiple of every sane block size.
 _READ_SIZE = 16 << 20
 
 

@@ -9,7 +9,8 @@ from typing import IO, TYPE_CHECKING
 
 import blake3
 
-from keepstate.store import ids, manifest as manifest_mod, pack
+from keepstate.store import ids, pack
+from keepstate.store import manifest as manifest_mod
 from keepstate.store.errors import ArchiveError, CheckpointExists, CheckpointNotFound, CorruptObject
 from keepstate.store.ingest import PackWriter
 from keepstate.store.lock import Lock

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from keepstate.store import ids, lock as lock_mod, pack
+from keepstate.store import ids, pack
+from keepstate.store import lock as lock_mod
 from keepstate.store.errors import CheckpointNotFound, CorruptObject, ObjectNotFound, StoreError
 from keepstate.store.ingest import PackWriter
 from keepstate.store.lock import Lock

@@ -27,6 +27,8 @@ _GROUPS_IN_FLIGHT = 8
 _IN_FLIGHT = 3
 
 PackSink = Callable[[bytes, "list[bytes | memoryview]"], None]
+# What _prepare returns for each chunk.
+_Prepared = tuple[bytes, tuple[bytes | memoryview, int] | None]
 
 
 class PackWriter:
@@ -101,9 +103,9 @@ class IngestStats:
     added_bytes: int = 0
 
 
-def _prepare(chunks: list[memoryview], index: Index, level: int) -> list[tuple[bytes, tuple[bytes, int] | None]]:
+def _prepare(chunks: list[memoryview], index: Index, level: int) -> list[_Prepared]:
     """In a worker: each chunk's ID, and its stored form (bytes, compression) unless the index holds it."""
-    out: list[tuple[bytes, tuple[bytes, int] | None]] = []
+    out: list[_Prepared] = []
     for chunk in chunks:
         chunk_id = ids.digest(chunk)
         out.append((chunk_id, None if chunk_id in index else pack.compress(chunk, level)))
@@ -120,12 +122,12 @@ def ingest_file(image: ImageFile, repo: Repository, index: Index, writer: PackWr
     level = repo.config.zstd_level
     runs: list[Run] = []
     size = 0
-    pending: deque[tuple[list[memoryview], Future[list[tuple[bytes, tuple[bytes, int] | None]]]]] = deque()
+    pending: deque[tuple[list[memoryview], Future[list[_Prepared]]]] = deque()
 
     def collect() -> None:
         nonlocal size
         group, future = pending.popleft()
-        for chunk, (chunk_id, stored) in zip(group, future.result()):
+        for chunk, (chunk_id, stored) in zip(group, future.result(), strict=True):
             size += len(chunk)
             stats.chunks += 1
             if runs and runs[-1].chunk_id == chunk_id:

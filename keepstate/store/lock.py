@@ -37,7 +37,8 @@ class LockInfo:
         return self.host == socket.gethostname() and not _process_exists(self.pid)
 
     def describe(self) -> str:
-        return f"{self.kind} lock by pid {self.pid} on {self.host} ({self.purpose}, {int(time.time() - self.created)} s old)"
+        age = int(time.time() - self.created)
+        return f"{self.kind} lock by pid {self.pid} on {self.host} ({self.purpose}, {age} s old)"
 
 
 def _process_exists(pid: int) -> bool:

@@ -27,7 +27,8 @@ REF_MAGIC = "keepstate-ref"
 
 @dataclass(frozen=True)
 class ImageFile:
-    """One file of a checkpoint image handed to write_checkpoint. `name` is its relative path in the checkpoint."""
+    """One file of a checkpoint image handed to write_checkpoint. `name` is its relative path in the checkpoint;
+    `kind` (one of KINDS) is how it is chunked: "memory" in fixed blocks, "file" content-defined."""
 
     name: str
     path: Path
@@ -43,7 +44,7 @@ class EventRef:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def compress(raw: bytes | memoryview, level: int) -> tuple[bytes | memoryview, i
 def decode_chunk(entry: PackEntry, stored: bytes | memoryview) -> bytes | memoryview:
     """Decompress and verify one chunk (a raw chunk is handed back as given, not copied). Raises ValueError with
     the reason when it does not match its ID."""
+    raw: bytes | memoryview
     if entry.compression == ZSTD:
         try:
             # A damaged frame header can claim any content size, and zstandard allocates what the frame claims:

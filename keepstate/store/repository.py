@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from keepstate.store import ids, index as index_mod, manifest as manifest_mod
+from keepstate.store import ids
+from keepstate.store import index as index_mod
+from keepstate.store import manifest as manifest_mod
 from keepstate.store.backend import Backend
 from keepstate.store.chunker import ChunkerParams
 from keepstate.store.errors import (
@@ -46,7 +48,7 @@ def _default_workers() -> int:
 @dataclass(frozen=True)
 class RepoConfig:
     repository_id: str = field(default_factory=lambda: secrets.token_hex(16))
-    created: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
     chunker: ChunkerParams = field(default_factory=ChunkerParams)
     pack_target_size: int = 16 << 20
     zstd_level: int = 1

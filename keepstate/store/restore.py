@@ -123,7 +123,7 @@ def restore(repo: Repository, manifest: Manifest, index: Index, bad_indexes: lis
             for future in futures:
                 if future in done:
                     future.result()
-        for fd, f in zip(fds, manifest.files):
+        for fd, f in zip(fds, manifest.files, strict=True):
             os.fchmod(fd, f.mode)
         for fd in fds:
             os.close(fd)

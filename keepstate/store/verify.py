@@ -160,8 +160,8 @@ def verify_repository(repo: Repository) -> VerifyReport:
 
     index, bad = repo.load_index(use_cache=False)
     report.count("index", len(index.index_ids) + len(bad))
-    for exc in bad:
-        report.problems.append(Problem("index", exc.name, exc.reason))
+    for broken in bad:
+        report.problems.append(Problem("index", broken.name, broken.reason))
 
     users = _users(live)
     for chunk_id, checkpoints in users.items():
@@ -201,9 +201,9 @@ def verify_checkpoint(repo: Repository, checkpoint_id: str) -> VerifyReport:
     report.count("index", len(index.index_ids))
     needed = manifest.chunk_ids()
     missing = [c for c in needed if c not in index]
-    for exc in bad:
+    for broken in bad:
         if missing:  # R4: a corrupt index matters to this checkpoint only if it could hold what we lack
-            report.problems.append(Problem("index", exc.name, exc.reason, (checkpoint_id,)))
+            report.problems.append(Problem("index", broken.name, broken.reason, (checkpoint_id,)))
     for chunk_id in missing:
         report.problems.append(Problem("chunk", chunk_id.hex(), "not found in any intact index", (checkpoint_id,)))
     pack_ids = {loc.pack_id for c in needed if (loc := index.get(c)) is not None}

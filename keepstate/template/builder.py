@@ -28,7 +28,7 @@ import blake3
 from keepstate.config import home
 from keepstate.errors import KeepStateError, Unavailable
 
-from .definition import AGENT_REQUIREMENTS, REPO_ROOT, Defaults, Definition, definition_digest, load
+from .definition import Defaults, Definition, agent_requirements, definition_digest, load
 
 Progress = Callable[[str], None]
 
@@ -99,16 +99,21 @@ def _chroot(rootfs: Path, script: str, what: str) -> None:
     _sh(["unshare", "-m", "--", "sh", "-c", inner, script], what, env=env)
 
 
-def _pip_target(reqs: list[str], target: Path, what: str) -> None:
-    """Install binary wheels for the sandbox's Python (Debian bookworm: CPython 3.11)."""
+def sandbox_wheel_args() -> list[str]:
+    """`pip install` options that pick binary wheels for the sandbox's Python (Debian bookworm: CPython 3.11);
+    scripts/agent-requirements.py resolves the agent's pins with the same ones."""
     machine = platform.machine()
     # bookworm has glibc 2.36; pip does not widen an explicit platform, so list the older tags too.
     plats = [f"manylinux_2_{v}_{machine}" for v in (36, 35, 34, 31, 28, 27, 24, 17, 12, 5)]
     plats += [f"manylinux2014_{machine}", f"manylinux2010_{machine}", f"manylinux1_{machine}"]
+    return ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+            "--abi", "abi3", "--abi", "none", *(x for p in plats for x in ("--platform", p))]
+
+
+def _pip_target(reqs: list[str], target: Path, what: str) -> None:
+    """Install binary wheels for the sandbox's Python into `target`."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-warn-script-location",
-           "--disable-pip-version-check", "--target", str(target), "--only-binary=:all:",
-           "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3",
-           "--abi", "none", *(x for p in plats for x in ("--platform", p)), "--upgrade", *reqs]
+           "--disable-pip-version-check", "--target", str(target), *sandbox_wheel_args(), "--upgrade", *reqs]
     _sh(cmd, what)
 
 
@@ -254,9 +259,7 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
                         + " ".join(d.apt) + " >/dev/null", "apt-get install")
         say("python packages")
         if parent is None:
-            reqs = [r for r in AGENT_REQUIREMENTS.read_text().split() if r and not r.startswith("#")] \
-                if AGENT_REQUIREMENTS.exists() else []
-            if reqs:
+            if reqs := agent_requirements():
                 _pip_target(reqs, rootfs / "opt/keepstate/site", "agent dependencies")
             (rootfs / "opt/keepstate/lib/keepstate").mkdir(parents=True, exist_ok=True)
         if d.pip:
@@ -272,7 +275,7 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
         for src, dest in d.files.items():
             target = rootfs / dest.lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / src, target)
+            shutil.copy2(d.source.parent / src, target)
         _finish_root(d, rootfs)
         say("digest of the root filesystem")
         digest = rootfs_digest(rootfs)

@@ -1,8 +1,9 @@
-"""Template definitions: TOML files in the repo's `templates/` folder (docs/design/templates.md).
+"""Template definitions: TOML files shipped in the package, `keepstate/template/definitions/`, or in the
+folder $KEEPSTATE_TEMPLATES names instead (docs/design/templates.md).
 
 A definition is pure data; its *definition digest* names the build it produces, so a
 template is rebuilt exactly when its definition, its parent, the agent's pinned
-dependencies or a copied file change.
+dependencies or a copied file change. Where the files lie does not enter the digest.
 """
 
 from __future__ import annotations
@@ -10,20 +11,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from keepstate.errors import BadRequest, NotFound
 
 BUILDER_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]
-AGENT_REQUIREMENTS = REPO_ROOT / "keepstate" / "agent" / "requirements.txt"
+
+
+def package_file(package: str, *parts: str) -> Path:
+    """A data file installed with a keepstate package (package-data in pyproject.toml), wherever it lies."""
+    return Path(str(resources.files(package).joinpath(*parts)))
+
+
+# The agent's dependencies, every transitive one pinned (generated: scripts/agent-requirements.py).
+AGENT_REQUIREMENTS = package_file("keepstate.agent", "requirements.txt")
+BUILTIN_DEFINITIONS = package_file("keepstate.template", "definitions")
 
 
 def definitions_dir() -> Path:
-    return Path(os.environ.get("KEEPSTATE_TEMPLATES", REPO_ROOT / "templates"))
+    return Path(os.environ.get("KEEPSTATE_TEMPLATES") or BUILTIN_DEFINITIONS)
+
+
+def agent_requirements() -> list[str]:
+    """The pinned requirement lines of AGENT_REQUIREMENTS, in file order, without comments and blank lines."""
+    if not AGENT_REQUIREMENTS.exists():
+        return []
+    lines = (re.sub(r"(^|\s)#.*", "", line).strip() for line in AGENT_REQUIREMENTS.read_text().splitlines())
+    return [line for line in lines if line]
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,7 @@ class Definition:
     pip: list[str]
     npm: list[str]
     run: list[str]
-    files: dict[str, str]
+    files: dict[str, str]  # source, relative to the definition's folder -> path in the root filesystem
     defaults: Defaults
     services: list[Service]
     source: Path
@@ -125,10 +144,11 @@ def definition_digest(d: Definition, parent_digest: str | None) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"builder": BUILDER_VERSION, "def": d.canonical(), "parent": parent_digest},
                         sort_keys=True).encode())
-    if d.parent is None and AGENT_REQUIREMENTS.exists():
-        h.update(AGENT_REQUIREMENTS.read_bytes())
+    if d.parent is None and (pins := agent_requirements()):
+        # The pins alone, one per line: comments may change without a rebuild.
+        h.update("".join(f"{pin}\n" for pin in pins).encode())
     for src in sorted(d.files):
-        p = REPO_ROOT / src
+        p = d.source.parent / src
         h.update(src.encode())
         if p.is_file():
             h.update(p.read_bytes())

@@ -379,11 +379,10 @@ def _message_item(rid: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _response(rid: str, model: str, a: _Answer | None) -> dict[str, Any]:
-    done = a is not None
     return {
         "id": "resp_" + rid, "object": "response", "created_at": 0, "model": model,
         "status": ("completed" if a.stop == "stop" else "incomplete") if a is not None else "in_progress",
-        "output": [_message_item(rid, "".join(a.text_tokens), "completed")] if done else [],
+        "output": [_message_item(rid, "".join(a.text_tokens), "completed")] if a is not None else [],
         "usage": _responses_usage(a) if a is not None else None,
         "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
         "incomplete_details": None if a is None or a.stop == "stop" else {"reason": "max_output_tokens"},

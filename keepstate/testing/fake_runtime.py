@@ -1,11 +1,11 @@
 """A fake sandbox runtime, in-process: the `Runtime` seam without gVisor, for lifecycle tests that run in
 milliseconds (`keepstate serve --runtime fake` serves with it).
 
-Each instance is a small HTTP server on a loopback address of its own (127.77.x.y, the agent's port) that acts
-like the agent where the lifecycle touches it: `/health`, `/init` (token rules included), `/metrics`,
-`/journal`, and `/files` (read, write: the stock SDK's `files.read` / `files.write` work). Its state (files,
-journal, token, environment) is what a checkpoint writes and a restore reads back, so a paused or forked fake
-sandbox comes back with its files.
+Each instance is a small HTTP server on a loopback address of its own (127.N.x.y, the agent's port; each
+FakeRuntime claims a 127.N.0.0/16 of its own) that acts like the agent where the lifecycle touches it:
+`/health`, `/init` (token rules included), `/metrics`, `/journal`, and `/files` (read and write: the stock SDK's
+`files.read` and `files.write` work). Its state (files, journal, token, environment) is what a checkpoint writes
+and a restore reads back, so a paused or forked fake sandbox comes back with its files.
 
 It keeps gVisor's hazards, so tests catch code that breaks the rules real sandboxes impose:
 - a **frozen** instance answers nothing until thawed (requests hang, as into a frozen sandbox);
@@ -19,7 +19,10 @@ Faults are injected with `fail(op, times)` (the next calls of `op` raise Runtime
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
+import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,8 +38,22 @@ STATE_FILE = "fake-state.json"
 MEMORY_FILE = "pages.img"  # a stand-in for gVisor's memory file, so the store has bytes to chunk
 
 
-def address_of(slot: int) -> str:
-    return f"127.77.{slot // 256}.{slot % 256}"
+NETS = range(64, 250)  # 127.N.0.0/16 for N in NETS: one per FakeRuntime on the host
+_NET_LOCKS = Path(tempfile.gettempdir()) / "keepstate-fake-nets"
+
+
+def _claim_net() -> tuple[int, int]:
+    """A loopback /16 of this runtime's own, held (flock) for the process's life: FakeRuntimes in other test
+    processes never listen on the same addresses."""
+    _NET_LOCKS.mkdir(exist_ok=True)
+    for net in NETS:
+        fd = os.open(_NET_LOCKS / f"{net}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return net, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeFailure("fake runtime: every loopback network is held by another FakeRuntime")
 
 
 class FakeSlots:
@@ -46,6 +63,7 @@ class FakeSlots:
 
     def __init__(self) -> None:
         self._owners: dict[int, str | None] = {}
+        self._homes: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def claim(self, slot: int) -> bool:
@@ -58,6 +76,7 @@ class FakeSlots:
     def record_owner(self, slot: int, home: str, name: str) -> None:
         with self._lock:
             self._owners[slot] = name
+            self._homes[slot] = home
 
     def owner(self, slot: int) -> str | None:
         with self._lock:
@@ -66,9 +85,12 @@ class FakeSlots:
     def release(self, slot: int) -> None:
         with self._lock:
             self._owners.pop(slot, None)
+            self._homes.pop(slot, None)
 
     def orphaned(self) -> list[tuple[int, str]]:
-        return []
+        with self._lock:
+            return [(slot, name) for slot, name in self._owners.items()
+                    if name and not (Path(self._homes[slot]) / "catalog.sqlite").exists()]
 
     def held(self) -> set[int]:
         with self._lock:
@@ -264,6 +286,7 @@ class FakeRuntime:
     release = "fake-1"
 
     def __init__(self) -> None:
+        self.net, self._net_fd = _claim_net()
         self.slots = FakeSlots()
         self.violations: list[str] = []  # checkpoints taken with a connection open (gVisor would wedge)
         self.delay: dict[str, float] = {}  # op -> seconds each call of it takes (widens race windows)
@@ -306,17 +329,20 @@ class FakeRuntime:
             raise RuntimeFailure(f"fake runtime: no instance {name!r}")
         return inst
 
+    def address_of(self, slot: int) -> str:
+        return f"127.{self.net}.{slot // 256}.{slot % 256}"
+
     def _handle(self, inst: _Instance) -> Handle:
-        return Handle(inst.spec.name, inst.slot, Endpoint(address_of(inst.slot), AGENT_PORT))
+        return Handle(inst.spec.name, inst.slot, Endpoint(self.address_of(inst.slot), AGENT_PORT))
 
     def _start(self, spec: SandboxSpec, slot: int, state: AgentState, wedged: bool = False) -> Handle:
         with self._lock:
             if spec.name in self._instances:
                 raise RuntimeFailure(f"fake runtime: instance {spec.name} exists")
         try:
-            agent = FakeAgent(address_of(slot), state, wedged)
+            agent = FakeAgent(self.address_of(slot), state, wedged)
         except OSError as exc:
-            raise RuntimeFailure(f"fake runtime: cannot listen on {address_of(slot)}: {exc}") from exc
+            raise RuntimeFailure(f"fake runtime: cannot listen on {self.address_of(slot)}: {exc}") from exc
         inst = _Instance(spec, slot, agent)
         with self._lock:
             self._instances[spec.name] = inst
@@ -396,9 +422,12 @@ class FakeRuntime:
             return {name: inst.status for name, inst in self._instances.items()}
 
     def close(self) -> None:
-        """Stop every instance (end of a test)."""
+        """Stop every instance and give up the loopback network (end of a test)."""
         for name in self.names():
             self.crash(name)
+        if self._net_fd >= 0:
+            os.close(self._net_fd)
+            self._net_fd = -1
 
 
 class FakeTemplates:

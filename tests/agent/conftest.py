@@ -46,11 +46,21 @@ def host_user() -> str:
 def _host_user() -> str:
     if os.geteuid() != 0:
         pytest.skip("the agent tests switch users and chown files: they must run as root")
-    try:
-        pwd.getpwnam(USER)
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", USER], check=False, capture_output=True)
-        pwd.getpwnam(USER)  # another xdist worker may have won the race; either way it exists now
+    import fcntl
+
+    # xdist workers (and other test runs on this host) may create the user at once: one at a time.
+    with open("/tmp/keepstate-test-useradd.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = pwd.getpwnam(USER)
+        except KeyError:
+            subprocess.run(["useradd", "-m", "-s", "/bin/bash", USER], check=True, capture_output=True)
+            entry = pwd.getpwnam(USER)
+        # A home left by an earlier account of that name (deleted, then created again with another uid) is not
+        # the user's own: the agent would refuse the user's writes into it.
+        os.makedirs(entry.pw_dir, exist_ok=True)
+        if os.stat(entry.pw_dir).st_uid != entry.pw_uid:
+            os.chown(entry.pw_dir, entry.pw_uid, entry.pw_gid)
     return USER
 
 

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+AGENT_PORT = 49983  # E2B's envd port, spelled out: no keepstate imports here (= keepstate.ports.AGENT_PORT)
 START_TIMEOUT_S = 20.0
 
 # Real-sandbox mode: scripts/test.sh names one shared KeepState server; the fixtures then create gVisor sandboxes
@@ -207,4 +208,4 @@ class Wire:
 def wire_of(sandbox: object) -> Wire:
     """Raw HTTP to the agent of an SDK sandbox, in either mode (the agent ignores the routing headers)."""
     return Wire(url=sandbox.envd_api_url, token=sandbox._envd_access_token or "",  # type: ignore[attr-defined]  # noqa: SLF001
-                routing={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983"})  # type: ignore[attr-defined]
+                routing={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT)})  # type: ignore[attr-defined]

@@ -146,7 +146,7 @@ def test_octet_stream_gzip_upload(secured, home_dir) -> None:
 
 
 def test_raw_connect_stream_tags_and_keepalive(secured) -> None:
-    token, http = secured.token, secured.client()
+    token = secured.token
     headers = {"X-Access-Token": token, "Content-Type": "application/connect+json",
                "Connect-Protocol-Version": "1", "Keepalive-Ping-Interval": "1",
                "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
@@ -171,7 +171,7 @@ def test_raw_connect_stream_tags_and_keepalive(secured) -> None:
 
 
 def test_raw_connect_by_tag_and_sigterm(secured) -> None:
-    token, http = secured.token, secured.client()
+    token = secured.token
     unary = {"X-Access-Token": token, "Content-Type": "application/json"}
     headers = {"X-Access-Token": token, "Content-Type": "application/connect+json"}
     start = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "tag": "sleepy"}

@@ -45,7 +45,8 @@ def test_journal_records_sdk_actions(sandbox, home_dir) -> None:
     assert http.get("/journal", params={"after": "soon"}).status_code == 400
     start = http.get("/journal", params={"limit": 0}).json()["last"]
 
-    sandbox.files.write_files([{"path": f"{home_dir}/a.txt", "data": "hello"}, {"path": f"{home_dir}/b.txt", "data": "xy"}])
+    sandbox.files.write_files([{"path": f"{home_dir}/a.txt", "data": "hello"},
+                               {"path": f"{home_dir}/b.txt", "data": "xy"}])
     sandbox.files.make_dir(f"{home_dir}/d")
     sandbox.files.rename(f"{home_dir}/a.txt", f"{home_dir}/d/a.txt")
     sandbox.files.remove(f"{home_dir}/b.txt")

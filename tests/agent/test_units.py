@@ -34,6 +34,7 @@ from keepstate.agent.settings import (  # noqa: E402
 )
 from keepstate.agent.users import BadPath, User, process_env, resolve_path  # noqa: E402
 from keepstate.agent.watcher import event_type, fs_type_of  # noqa: E402
+from keepstate.ports import INTERPRETER_PORT  # noqa: E402
 
 USER = User("user", 1000, 1000, "/home/user", "/bin/bash")
 
@@ -152,8 +153,8 @@ def test_fs_type_longest_mount_wins() -> None:
 def test_template_parsing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert load_template(tmp_path / "missing.json") == Template()
     t = parse_template({"user": "user", "workdir": "/home/user", "env": {"A": "1"},
-                        "services": [{"name": "ci", "command": ["python3", "-m", "x"], "port": 49999}]})
-    assert (t.user, t.services[0].user, t.services[0].port) == ("user", "root", 49999)
+                        "services": [{"name": "ci", "command": ["python3", "-m", "x"], "port": INTERPRETER_PORT}]})
+    assert (t.user, t.services[0].user, t.services[0].port) == ("user", "root", INTERPRETER_PORT)
     with pytest.raises(SettingsError):
         parse_template({"services": [{"name": "x", "command": []}]})
     (tmp_path / "bad.json").write_text("{")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
 import sqlite3
+from pathlib import Path
 
 from keepstate.db.catalog import Catalog, SandboxRow
 from keepstate.sandbox.record import Instance, Settings
@@ -21,7 +20,8 @@ def test_keys_and_sandboxes_survive_reopen(tmp_path: Path) -> None:
     row = SandboxRow("pool-1", "pooled", "base", "d", "ks-1", 3, "10.88.0.14", "", 1.0, 1.0, 2, 512)
     cat.put_sandbox(row)
     claimed = SandboxRow("abc", "running", "base", "d", "ks-1", 3, "10.88.0.14", "tok", 2.0, 302.0, 2, 512,
-                         settings=Settings(session_id="abc", metadata={"a": "b"}, standby=Instance("ks-2", 4, "x", 5.0, 7)))
+                         settings=Settings(session_id="abc", metadata={"a": "b"},
+                                           standby=Instance("ks-2", 4, "x", 5.0, 7)))
     cat.rename_sandbox("pool-1", claimed)
     cat.close()
     again = Catalog(tmp_path / "c.sqlite")

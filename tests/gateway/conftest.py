@@ -36,7 +36,8 @@ class Env:
     def token(self, session: str = "sess", sandbox: str = "sbx", key: str | None = "key", **kw: Any) -> str:
         return self.gateway.register_run(session, sandbox, key, kw.pop("checkpoint_id", None), **kw)
 
-    async def post(self, token: str, path: str, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, str], bytes]:
+    async def post(self, token: str, path: str, body: dict[str, Any],
+                   **headers: str) -> tuple[int, dict[str, str], bytes]:
         async with aiohttp.ClientSession() as s:
             async with s.post(self.url + path, json=body, headers={"authorization": f"Bearer {token}", **headers}) as r:
                 return r.status, dict(r.headers), await r.read()

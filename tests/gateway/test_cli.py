@@ -48,7 +48,7 @@ async def test_standalone_gateway_process_and_ledger_commands(fake: FakeProvider
 
 def test_ledger_without_a_database_says_where_it_looked(tmp_path: Path) -> None:
     result = CliRunner().invoke(ledger, ["--home", str(tmp_path / "none")])
-    assert result.exit_code == 1 and "no gateway ledger" in result.output
+    assert result.exit_code == 3 and "error: no gateway ledger" in result.stderr
 
 
 async def test_reconcile_reports_usage_that_disagrees_with_stored_response(env: Env) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
+from keepstate.ports import INTERPRETER_PORT
 from tests.interpreter import server
 
 SANDBOX_TIMEOUT = 600  # seconds: the server kills the sandbox after this even if a test leaks it
@@ -33,7 +34,7 @@ def wait_bridge(sbx: Sandbox | AsyncSandbox) -> None:
     pool was empty) may not have its bridge listening yet, and the router then answers 502 "port is
     not open". Remove this when the server waits for template services before handing a sandbox out.
     """
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(INTERPRETER_PORT)}
     deadline = time.monotonic() + BRIDGE_START_TIMEOUT
     while True:
         try:

@@ -9,6 +9,7 @@ import pytest
 from e2b import NotFoundException, SandboxException
 from e2b_code_interpreter import Sandbox
 
+from keepstate.ports import INTERPRETER_PORT
 from tests.interpreter.conftest import HOME
 
 
@@ -91,7 +92,7 @@ def test_unsupported_language(sandbox: Sandbox) -> None:
 
 @pytest.mark.parametrize("token", ["not-the-token", None])
 def test_wrong_access_token_is_rejected(sandbox: Sandbox, token: str | None) -> None:
-    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(INTERPRETER_PORT)}
     if token:
         headers["X-Access-Token"] = token
     body = {"code": "1", "context_id": None, "language": None, "env_vars": None}

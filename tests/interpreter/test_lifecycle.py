@@ -10,6 +10,8 @@ import pytest
 from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
+from keepstate.ports import INTERPRETER_PORT
+
 
 def test_client_timeout_interrupts_kernel(sandbox: Sandbox) -> None:
     sandbox.run_code("import time; done = False")
@@ -112,4 +114,4 @@ def test_bridge_log_is_in_the_sandbox(sandbox: Sandbox) -> None:
     from tests.interpreter.conftest import BRIDGE_LOG
 
     # The template service's output: what a failed test's report shows (conftest.pytest_runtest_makereport).
-    assert "code interpreter listening on 0.0.0.0:49999" in sandbox.files.read(BRIDGE_LOG, user="root")
+    assert f"code interpreter listening on 0.0.0.0:{INTERPRETER_PORT}" in sandbox.files.read(BRIDGE_LOG, user="root")

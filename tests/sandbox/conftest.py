@@ -3,6 +3,7 @@ HTTP and also look at what its manager and runtime hold."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -54,6 +55,7 @@ class Served:
     manager: SandboxManager
     runtime: Runtime
     http: aiohttp.ClientSession
+    home: Path
 
     @property
     def headers(self) -> dict[str, str]:
@@ -70,31 +72,39 @@ class Served:
                 return r.status, text
 
 
-@pytest.fixture
-async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
-    """A server on the runtime the test is parametrised with ("fake" or "gvisor")."""
-    kind = getattr(request, "param", "fake")
-    home = Path(tempfile.mkdtemp(prefix="keepstate-inproc-"))
+@contextlib.asynccontextmanager
+async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime | None = None, key: str | None = None,
+                  **options: Any) -> AsyncIterator[Served]:
+    """A server in this process on `kind` ("fake" or "gvisor"); `runtime` and `home` let a second server take over
+    the first one's sandboxes (adoption). Options are ServerConfig fields."""
+    home = home or Path(tempfile.mkdtemp(prefix="keepstate-inproc-"))
+    options = {"pool_size": 2, "warm_templates": ("base",), "reap_on_exit": True, **options}
     if kind == "gvisor":
         why = gvisor_unavailable()
         if why:
             pytest.skip(why)
-        config = ServerConfig(home=home, pool_size=2, warm_templates=("base",), reap_on_exit=True,
-                              standby_seconds=300)
-        app = create_app(config)
+        app = create_app(ServerConfig(home=home, **options), runtime)
     else:
-        config = ServerConfig(home=home, pool_size=2, warm_templates=("base",), reap_on_exit=True, runtime="fake")
-        app = create_app(config, FakeRuntime(), FakeTemplates())
+        runtime = runtime or FakeRuntime()
+        app = create_app(ServerConfig(home=home, runtime="fake", **options), runtime, FakeTemplates())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    _, key = app[CATALOG].create_key("tests")
+    key = key or app[CATALOG].create_key("tests")[1]
     manager = app[MANAGER]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         try:
-            yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http)
+            yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http, home)
         finally:
             await runner.cleanup()
-            if isinstance(manager.runtime, FakeRuntime):
-                manager.runtime.close()
+
+
+@pytest.fixture
+async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
+    """A server on the runtime the test is parametrised with ("fake" or "gvisor")."""
+    kind = getattr(request, "param", "fake")
+    async with serving(kind) as s:
+        yield s
+    if isinstance(s.runtime, FakeRuntime):
+        s.runtime.close()

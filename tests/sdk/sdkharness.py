@@ -13,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
+AGENT_PORT = 49983  # E2B's envd port (keepstate.ports.AGENT_PORT), spelled out: no keepstate imports here
 
 
 def free_port() -> int:

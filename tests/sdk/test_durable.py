@@ -210,5 +210,5 @@ def test_history_records_the_session(new_sandbox, server) -> None:
     # paused moments ago on this server: its frozen standby was thawed, not restored from the store
     assert [e["data"]["from"] for e in history["events"] if e["kind"] == "sandbox.resume"] == ["standby"]
     events = history["events"]
-    for prev, ev in zip(events, events[1:]):
+    for prev, ev in zip(events, events[1:], strict=False):
         assert ev["prev"] == prev["hash"] and ev["seq"] == prev["seq"] + 1

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from sdkharness import AGENT_PORT
+
 
 def call(url: str, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
          ) -> tuple[int, Any]:
@@ -61,7 +63,8 @@ def test_unknown_things(server) -> None:
 
 
 def test_data_plane_unknown_sandbox(server) -> None:
-    status, body = call(server.url + "/health", headers={"E2b-Sandbox-Id": "q" * 20, "E2b-Sandbox-Port": "49983"})
+    status, body = call(server.url + "/health",
+                        headers={"E2b-Sandbox-Id": "q" * 20, "E2b-Sandbox-Port": str(AGENT_PORT)})
     assert status == 502
     assert body == {"sandboxId": "q" * 20, "message": "The sandbox was not found", "code": 502}
 
@@ -73,7 +76,7 @@ def test_data_plane_closed_port(sandbox, server) -> None:
 
 
 def test_agent_refuses_bad_token(sandbox, server) -> None:
-    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": "wrong",
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT), "X-Access-Token": "wrong",
          "Content-Type": "application/json"}
     status, body = call(server.url + "/filesystem.Filesystem/Stat", "POST", b'{"path": "/"}', h)
     assert_error(status, body, 401)
@@ -82,7 +85,7 @@ def test_agent_refuses_bad_token(sandbox, server) -> None:
 
 
 def test_host_only_agent_paths_are_not_routed(sandbox, server) -> None:
-    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983", "Content-Type": "application/json"}
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT), "Content-Type": "application/json"}
     status, body = call(server.url + "/init", "POST", b'{"accessToken": "mine"}', h)
     assert_error(status, body, 403)
 
@@ -91,7 +94,7 @@ def test_host_only_agent_paths_are_not_routed(sandbox, server) -> None:
                                   "/files?path=/etc/shadow&username=user"])
 def test_path_traversal_reads_nothing_secret(sandbox, server, path: str) -> None:
     token = sandbox._envd_access_token if hasattr(sandbox, "_envd_access_token") else None
-    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT)}
     if token:
         h["X-Access-Token"] = token
     status, body = call(server.url + path, headers=h)
@@ -101,7 +104,7 @@ def test_path_traversal_reads_nothing_secret(sandbox, server, path: str) -> None
 
 
 def test_oversized_upload_is_refused(sandbox, server) -> None:
-    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983",
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": str(AGENT_PORT),
          "Content-Type": "application/octet-stream", "Content-Length": str(64 << 30)}
     req = urllib.request.Request(server.url + "/files?path=big.bin", data=b"", method="POST", headers=h)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

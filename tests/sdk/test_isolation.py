@@ -8,6 +8,8 @@ import urllib.parse
 
 import pytest
 
+from sdkharness import AGENT_PORT
+
 
 def sandbox_ip(sbx) -> str:
     out = sbx.commands.run("ip -4 -o addr show eth0").stdout
@@ -49,12 +51,12 @@ def test_network_reaches_neither_host_nor_neighbours(new_sandbox, server) -> Non
     host_side = ".".join(ip_a.split(".")[:3] + [str(int(ip_a.split(".")[3]) - 1)])
     port = urllib.parse.urlparse(server.url).port
     probe = "curl -s -o /dev/null -m 2 -w '%{http_code}' "
-    for target in (f"http://{ip_b}:49983/health", f"http://{host_side}:{port}/health",
+    for target in (f"http://{ip_b}:{AGENT_PORT}/health", f"http://{host_side}:{port}/health",
                    f"http://{host_side}:22/", f"http://127.0.0.1:{port}/health", "http://169.254.169.254/"):
         r = a.commands.run(probe + target + " || true")
         assert r.stdout.strip() in ("000", ""), f"{target} answered {r.stdout!r}"
     # while the sandbox's own agent answers on its own address
-    assert a.commands.run(probe + f"http://{ip_a}:49983/health").stdout.strip() == "204"
+    assert a.commands.run(probe + f"http://{ip_a}:{AGENT_PORT}/health").stdout.strip() == "204"
 
 
 def test_host_listener_on_all_interfaces_is_unreachable(sandbox) -> None:

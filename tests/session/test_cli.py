@@ -65,6 +65,6 @@ def test_lineage_and_unknown_session(home: Path) -> None:
     tree = json.loads(ks(home, "ichild", "--lineage").stdout)
     assert tree["root"]["checkpoints"][0]["forks"][0]["sessionId"] == "ichild"
     missing = ks(home, "nobody")
-    assert missing.returncode == 1 and "no events" in missing.stderr
+    assert missing.returncode == 3 and "error: no events" in missing.stderr
     no_server = ks(home, "isess1", "--replay")
     assert no_server.returncode == 2 and "--api-url" in no_server.stderr

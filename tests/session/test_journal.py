@@ -10,6 +10,7 @@ import pytest
 from keepstate.session import EventLog, JournalError, JournalPoller, pull_journal
 from tests.session.conftest import TOKEN, FakeJournal
 
+
 async def test_pull_appends_entries_in_pages_with_agent_seq(agent: tuple[FakeJournal, str], log: EventLog) -> None:
     journal, url = agent
     journal.add("process.start", pid=7, cmd="/bin/bash", args=["-c", "ls"])

@@ -91,7 +91,7 @@ def test_concurrent_saves_and_loads_from_threads(backend: Backend) -> None:
     blobs = {f"packs/{i:02x}/obj{i}": os.urandom(50_000 + i) for i in range(24)}
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda kv: backend.save(*kv), blobs.items()))
-        loaded = dict(zip(blobs, pool.map(backend.load, blobs)))
+        loaded = dict(zip(blobs, pool.map(backend.load, blobs), strict=True))
     assert loaded == blobs
     assert backend.remove_leftovers() == 0
 

@@ -66,7 +66,8 @@ def test_verify_commands_and_exit_codes(home: tuple[Path, list[str]]) -> None:
 
     missing = ks(root, "checkpoint", "verify", "NOSUCHCHECKPOINT", "--json")
     assert missing.returncode == 3
-    assert json.loads(missing.stdout)["error"]["code"] == "not_found" and "NOSUCHCHECKPOINT" in missing.stderr
+    error = json.loads(missing.stdout)
+    assert error["code"] == 404 and "NOSUCHCHECKPOINT" in error["message"] and missing.stderr == ""
 
 
 def test_gc(home: tuple[Path, list[str]]) -> None:
@@ -98,7 +99,7 @@ def test_export_import_to_another_store(home: tuple[Path, list[str]], tmp_path: 
     data[len(data) // 2] ^= 1
     damaged.write_bytes(bytes(data))
     refused = ks(root, "checkpoint", "import", str(damaged), "--store", (tmp_path / "other").as_uri())
-    assert refused.returncode == 4 and "Error:" in refused.stderr
+    assert refused.returncode == 4 and "error:" in refused.stderr
 
 
 def test_clear_errors(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ def test_round_trip_and_compression_choice() -> None:
     assert pack_id == ids.digest(data)
     entries = pack.parse(pack_id.hex(), data)
     assert [e.compression for e in entries] == [pack.RAW, pack.ZSTD, pack.RAW, pack.ZSTD]
-    for entry, raw in zip(entries, chunks):
+    for entry, raw in zip(entries, chunks, strict=True):
         assert pack.decode_chunk(entry, data[entry.offset:entry.offset + entry.stored_len]) == raw
 
 
@@ -36,7 +36,7 @@ def test_decode_chunk_never_returns_wrong_bytes() -> None:
     """Any flipped bit either fails verification or (in bits zstd ignores) still decodes to the right content."""
     raw = b"memory page " * 400
     pack_id, data = build([raw, os.urandom(300)])
-    for entry, original in zip(pack.parse(pack_id.hex(), data), [raw, None]):
+    for entry, original in zip(pack.parse(pack_id.hex(), data), [raw, None], strict=True):
         stored = data[entry.offset:entry.offset + entry.stored_len]
         failures = 0
         for i in range(len(stored)):

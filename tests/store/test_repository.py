@@ -18,8 +18,8 @@ from keepstate.store import (
     EventRef,
     ImageFile,
     LocalBackend,
-    RepositoryError,
     Repository,
+    RepositoryError,
 )
 from tests.store.conftest import MiB, overwrite, same_tree, write_memory_image, write_text_file
 
@@ -197,7 +197,7 @@ def test_two_processes_writing_to_one_repository(backend: Backend, tmp_path: Pat
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     repo = Repository.open(backend)
     assert repo.verify().ok
-    for (out, _), img in zip(outs, images):
+    for (out, _), img in zip(outs, images, strict=True):
         dest = tmp_path / f"out-{out.strip()}"
         repo.read_checkpoint(out.strip(), dest)
         assert (dest / "pages.img").read_bytes() == img.read_bytes()

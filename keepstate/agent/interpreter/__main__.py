@@ -21,6 +21,7 @@ from keepstate.agent.interpreter.envd import Envd
 from keepstate.agent.interpreter.kernel import LaunchSpec
 from keepstate.agent.interpreter.languages import KERNEL_NAMES
 from keepstate.agent.interpreter.server import make_app
+from keepstate.ports import AGENT_PORT
 
 log = logging.getLogger("keepstate.agent.interpreter")
 
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/home/user", help="cwd of default contexts")
     p.add_argument("--kernel-user", default="user",
                    help="user kernels run as; '' keeps the bridge's own user (default: user)")
-    p.add_argument("--envd-url", default="http://127.0.0.1:49983", help="the sandbox's envd agent")
+    p.add_argument("--envd-url", default=f"http://127.0.0.1:{AGENT_PORT}", help="the sandbox's envd agent")
     p.add_argument("--runtime-dir", default=None,
                    help="directory for kernel connection files and IPC sockets (default: a new one in /tmp)")
     # Python only: a tslab kernel costs ~235 MB and seconds of CPU at every sandbox start, for a

@@ -57,7 +57,7 @@ def _user_env(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, Any]]:
     return env, popen
 
 
-class _Manager(AsyncKernelManager):  # type: ignore[misc]
+class _Manager(AsyncKernelManager):
     """Hands the connection file to the kernel's user before launch (jupyter_client writes it 0600)."""
 
     kernel_uid: int | None = None

@@ -8,7 +8,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# The kernel spec each language runs on (installed by templates/code-interpreter-v1.toml).
+# The kernel spec each language runs on (installed by keepstate/template/definitions/code-interpreter-v1.toml).
 KERNEL_NAMES: dict[str, str] = {
     "python": "python3",
     "javascript": "jslab",

@@ -45,11 +45,11 @@ def timestamp(value: object) -> str:
     """ISO-8601 time of a message (jupyter_client parses header dates into datetimes)."""
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=dt.timezone.utc)
+            value = value.replace(tzinfo=dt.UTC)
         return value.isoformat()
     if isinstance(value, str) and value:
         return value
-    return dt.datetime.now(dt.timezone.utc).isoformat()
+    return dt.datetime.now(dt.UTC).isoformat()
 
 
 def _strip_quotes(text: str) -> str:

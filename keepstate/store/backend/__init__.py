@@ -64,7 +64,7 @@ class Backend(abc.ABC):
     def remove_leftovers(self) -> int:
         return 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: only a backend that holds connections overrides it
         pass
 
     def exists(self, key: str) -> bool:

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keepstate.store.backend import Backend, ObjectInfo, check_key
 from keepstate.store.errors import BackendError, ObjectNotFound, ShortRead
 
+if TYPE_CHECKING:
+    from boto3.session import Session
+    from mypy_boto3_s3 import S3Client
 
 _session_lock = threading.Lock()
-_session: Any = None
+_session: Session | None = None
 
 
-def _shared_session() -> Any:
+def _shared_session() -> Session:
     """One boto3 session per process: it caches the service model, which makes each new client ~10x cheaper."""
     global _session
     with _session_lock:
@@ -46,7 +49,7 @@ class S3Backend(Backend):
         self.endpoint = endpoint
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self._client: Any = _shared_session().client(
+        self._client: S3Client = _shared_session().client(
             "s3",
             endpoint_url=endpoint,
             aws_access_key_id=access_key,

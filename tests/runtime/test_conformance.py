@@ -1,0 +1,158 @@
+"""One conformance suite for the Runtime seam, run against every runtime: the fake (always) and gVisor (as root with
+runsc and a built `base` template). What the sandbox package relies on is what is checked here."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from keepstate.ports import AGENT_PORT
+from keepstate.runtime.base import Handle, Limits, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
+from keepstate.testing import FakeRuntime
+
+from ..sandbox.conftest import gvisor_unavailable
+
+
+@dataclass
+class Subject:
+    runtime: Runtime
+    root: TemplateRoot
+    claimed: list[int]
+
+    def slot(self) -> int:
+        for n in range(1, self.runtime.slots.max_slots):
+            if self.runtime.slots.claim(n):
+                self.claimed.append(n)
+                return n
+        raise AssertionError("no free slot")
+
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(name="ks-conf-" + secrets.token_hex(4), template=self.root, limits=Limits(1, 256))
+
+
+@pytest.fixture(params=["fake", "gvisor"])
+def subject(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Subject]:
+    if request.param == "fake":
+        runtime: Runtime = FakeRuntime()
+        root = TemplateRoot("base", "sha256:fake-base", tmp_path)
+    else:
+        why = gvisor_unavailable()
+        if why:
+            pytest.skip(why)
+        from keepstate.runtime.gvisor import GVisorRuntime
+        from keepstate.template import builder
+
+        built = builder.latest("base")
+        assert built is not None
+        runtime = GVisorRuntime(tmp_path / "sandboxes")
+        runtime.prepare()
+        root = TemplateRoot(built.name, built.digest, built.rootfs)
+    s = Subject(runtime, root, [])
+    yield s
+    for name, _ in runtime.statuses().items():
+        if name.startswith("ks-conf-"):
+            runtime.destroy(Handle(name, -1))
+    for n in s.claimed:
+        runtime.slots.release(n)
+
+
+def health(handle: Handle, timeout: float = 2.0) -> int:
+    assert handle.endpoint is not None
+    url = f"http://{handle.endpoint.address}:{handle.endpoint.agent_port}/health"
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # closed on exit: no connection outlives the call
+        return int(r.status)
+
+
+def wait_agent(handle: Handle, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if health(handle) < 300:
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"agent of {handle.name} did not answer")
+        time.sleep(0.05)
+
+
+def test_create_answers_on_the_agent_port_and_is_listed(subject: Subject) -> None:
+    rt = subject.runtime
+    spec, slot = subject.spec(), subject.slot()
+    handle = rt.create(spec, slot)
+    assert handle.name == spec.name and handle.slot == slot and handle.endpoint is not None
+    assert handle.endpoint.agent_port == AGENT_PORT
+    wait_agent(handle)
+    assert rt.is_alive(handle) and rt.state(spec.name) == "running"
+    assert isinstance(rt.release, str) and rt.release  # written into every manifest
+    assert rt.statuses().get(spec.name) == "running"
+    stats = rt.cgroup_stats(handle)
+    assert {"cpu_ns", "mem_used", "mem_limit"} <= set(stats) and stats["mem_limit"] <= 256 << 20
+    rt.destroy(handle)
+    assert rt.state(spec.name) == "gone" and not rt.is_alive(handle) and spec.name not in rt.statuses()
+    assert rt.cgroup_stats(handle) == {}
+    rt.destroy(handle)  # idempotent
+
+
+def test_freeze_stops_answering_until_thawed(subject: Subject) -> None:
+    rt = subject.runtime
+    handle = rt.create(subject.spec(), subject.slot())
+    wait_agent(handle)
+    rt.freeze(handle)
+    assert rt.state(handle.name) == "paused" and rt.is_alive(handle)
+    with pytest.raises((OSError, urllib.error.URLError, socket.timeout)):
+        health(handle, timeout=0.5)
+    rt.thaw(handle)
+    assert rt.state(handle.name) == "running"
+    wait_agent(handle, timeout=20)
+    rt.destroy(handle)
+
+
+def test_checkpoint_then_restore_into_another_slot(subject: Subject, tmp_path: Path) -> None:
+    rt = subject.runtime
+    handle = rt.create(subject.spec(), subject.slot())
+    wait_agent(handle)
+    time.sleep(0.1)  # the health check's connection is closed; let the sandbox's netstack see it
+    image = tmp_path / "image"
+    rt.checkpoint(handle, image, leave_running=True)
+    assert rt.state(handle.name) == "running" and any(image.iterdir())
+    rt.freeze(handle)
+    frozen_image = tmp_path / "frozen"
+    rt.checkpoint(handle, frozen_image, leave_running=True)
+    assert rt.state(handle.name) == "paused"  # a frozen sandbox stays frozen
+    spec2, slot2 = subject.spec(), subject.slot()
+    restored = rt.restore(spec2, frozen_image, slot2)
+    assert restored.slot == slot2 and restored.endpoint is not None
+    assert restored.endpoint.address != handle.endpoint.address  # type: ignore[union-attr]
+    wait_agent(restored, timeout=30)
+    assert rt.state(spec2.name) == "running"
+    rt.destroy(restored)
+    rt.destroy(handle)
+
+
+def test_restore_of_a_missing_image_fails_clearly(subject: Subject, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeFailure):
+        subject.runtime.restore(subject.spec(), empty, subject.slot())
+
+
+def test_slots_are_claimed_once_and_record_their_owner(subject: Subject, tmp_path: Path) -> None:
+    slots = subject.runtime.slots
+    n = subject.slot()
+    assert not slots.claim(n)
+    slots.record_owner(n, str(tmp_path), "ks-conf-owner")
+    assert slots.owner(n) == "ks-conf-owner"
+    assert (n, "ks-conf-owner") in slots.orphaned()  # its data directory has no catalog: nobody will adopt it
+    (tmp_path / "catalog.sqlite").touch()
+    assert (n, "ks-conf-owner") not in slots.orphaned()
+    slots.release(n)
+    assert slots.owner(n) is None and slots.claim(n)
