@@ -5,7 +5,6 @@ Handlers parse with schemas.py, call the SandboxManager and render; nothing else
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +13,7 @@ from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
 from keepstate.sandbox.manager import SandboxManager
 
 from . import schemas
-from .keys import ENVD_VERSION, MANAGER
+from .keys import API_KEY_ID, ENVD_VERSION, MANAGER
 
 routes = web.RouteTableDef()
 
@@ -28,23 +27,18 @@ def envd_version(request: web.Request) -> str:
 
 
 async def json_body(request: web.Request, required: bool = True) -> Any:
+    """The body as JSON, None when there is none; bytes that are not UTF-8 JSON with finite numbers are a 400
+    (schemas.parse_json), and so is a literal `null`: every body we take is an object."""
     raw = await request.read()
-    if not raw.strip():
-        if required:
-            raise BadRequest("request body must be JSON")
-        return None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    value = schemas.parse_json(raw, required)
+    if value is None and raw.strip():
+        raise BadRequest("request body must be a JSON object, not null")
+    return value
 
 
 async def object_body(request: web.Request) -> dict[str, Any]:
-    """An optional JSON object body: absent means {}."""
-    body = await json_body(request, required=False) or {}
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+    """An optional JSON object body: absent means {}; any other JSON value is a 400."""
+    return schemas.parse_object(await request.read())
 
 
 def sid(request: web.Request) -> str:
@@ -56,18 +50,18 @@ def sid(request: web.Request) -> str:
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     m = manager(request)
-    pools = {}
+    pools: dict[str, int] = {}
     for pool in m.pools.values():
         pools[pool.template] = pools.get(pool.template, 0) + len(pool)
     return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
-                              "running": len(m.live)})
+                              "running": len(m.running())})
 
 
 @routes.post("/v2/sandboxes")
 @routes.post("/sandboxes")
 async def create(request: web.Request) -> web.Response:
     req = schemas.parse_create(await json_body(request))
-    row = await manager(request).create(req, request.get("api_key_id"))
+    row = await manager(request).create(req, request.get(API_KEY_ID))
     return web.json_response(schemas.sandbox(row, envd_version(request)), status=201)
 
 
@@ -107,7 +101,7 @@ async def set_timeout(request: web.Request) -> web.Response:
 async def list_v2(request: web.Request) -> web.Response:
     rows = manager(request).listed()
     page, token = schemas.filter_and_page(rows, dict(request.query))
-    headers = {"X-Total-Running": str(sum(1 for r in rows if r.state == "running"))}
+    headers = {"X-Total-Running": str(sum(1 for r in rows if schemas.PUBLIC.get(r.state) == "running"))}
     if token:
         headers["X-Next-Token"] = token
     return web.json_response([schemas.listed(r, envd_version(request)) for r in page], headers=headers)
@@ -157,7 +151,10 @@ async def pause(request: web.Request) -> web.Response:
 @routes.post("/sandboxes/{sandbox_id}/snapshots")
 async def create_snapshot(request: web.Request) -> web.Response:
     body = await object_body(request)
-    if body.get("memory") is False:
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    if memory is False:
         raise Unsupported("filesystem-only snapshots (memory: false) are not supported by the gVisor runtime")
     info = await manager(request).snapshot(sid(request), body.get("name"))
     return web.json_response(info, status=201)
@@ -199,10 +196,10 @@ async def fork(request: web.Request) -> web.Response:
     results = await manager(request).fork(sid(request), count, timeout)
     out = []
     for r in results:
-        if "row" in r:
-            out.append({"sandbox": schemas.sandbox(r["row"], envd_version(request))})
+        if r.row is not None:
+            out.append({"sandbox": schemas.sandbox(r.row, envd_version(request))})
         else:
-            exc = r["error"]
+            exc = r.error
             body_ = exc.body() if isinstance(exc, KeepStateError) else \
                 {"code": 500, "message": f"the fork could not be started: {exc!r}"}
             out.append({"error": body_})

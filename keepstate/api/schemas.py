@@ -7,20 +7,114 @@ shared/docs/e2b-protocol.md section 2.3 exactly (camelCase, except `allow_intern
 from __future__ import annotations
 
 import base64
+import json
+import math
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
 
-from keepstate.db.catalog import SandboxRow
+from keepstate.sandbox.record import SandboxRow
+from keepstate.sandbox.state import PUBLIC
 from keepstate.errors import BadRequest
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
 
 CLIENT_ID = "6532622b"
+MIN_CPU, MAX_CPU = 0.01, 64
+MIN_MEMORY_MB, MAX_MEMORY_MB = 64, 65536
+MAX_FORKS = 20  # as keepstate.sandbox.checkpointing.MAX_FORKS
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+# -- request bodies ----------------------------------------------------------------------
+MAX_JSON_DEPTH = 64  # E2B's bodies nest three levels deep; deeper input is refused before anything walks it
+
+
+def _not_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _check_tree(value: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates (`"\\ud800"`, valid JSON that
+    no UTF-8 encoder, SQLite binding or process environment accepts), iteratively."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise BadRequest(f"malformed JSON body: a string holds the lone surrogate "
+                                 f"\\u{ord(item[exc.start]):04x}, which is not a character") from None
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((k, depth) for k in item)
+            stack.extend((v, depth + 1) for v in item.values())
+        else:
+            stack.extend((v, depth + 1) for v in item)
+
+
+def parse_json(raw: bytes, required: bool = True) -> Any:
+    """A request body as JSON (RFC 8259: UTF-8, finite numbers); every way it can be wrong is a BadRequest.
+
+    An empty (or all-whitespace) body is None, or a BadRequest when `required`.
+    """
+    if not raw.strip():
+        if required:
+            raise BadRequest("request body must be JSON")
+        return None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                         f"({exc.reason}); JSON bodies must be UTF-8") from None
+    try:
+        value = json.loads(text, parse_constant=_not_json_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # NaN/Infinity, 1e999, integers past Python's 4300-digit limit
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    _check_tree(value)
+    return value
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """An optional JSON object body: empty means {}; anything but an object (`[]`, `0`, `null`) is a BadRequest."""
+    if not raw.strip():
+        return {}
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _number(value: Any, name: str) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"`{name}` must be a number")
+    return value
+
+
+def _seconds(value: Any, name: str = "timeout") -> int:
+    """A number of seconds (a fraction is truncated), at most 24 hours."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"`{name}` must be a whole number of seconds")
+    return check_timeout(value, name)
 
 
 def _str_map(body: dict[str, Any], key: str) -> dict[str, str]:
@@ -32,14 +126,23 @@ def _str_map(body: dict[str, Any], key: str) -> dict[str, str]:
     return dict(value)
 
 
+def _env_vars(body: dict[str, Any]) -> dict[str, str]:
+    env = _str_map(body, "envVars")
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k:
+            raise BadRequest(f"`envVars`: {k!r} is not a variable name (it must be non-empty, without '=' or NUL)")
+        if "\0" in v:
+            raise BadRequest(f"`envVars`: the value of {k!r} holds a NUL character")
+    return env
+
+
 def parse_create(body: Any) -> CreateRequest:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     template = body.get("templateID")
     if not isinstance(template, str) or not template.strip():
         raise BadRequest("`templateID` is required and must be a string")
-    timeout = body.get("timeout", DEFAULT_TIMEOUT)
-    timeout = check_timeout(timeout)
+    timeout = _seconds(body.get("timeout", DEFAULT_TIMEOUT))
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
     auto_pause = body.get("autoPause", False)
@@ -50,21 +153,26 @@ def parse_create(body: Any) -> CreateRequest:
         raise BadRequest("`allow_internet_access` must be a boolean")
     cpu = body.get("cpuCount")
     mem = body.get("memoryMB")
-    if cpu is not None and (not isinstance(cpu, int | float) or isinstance(cpu, bool) or not 0 < cpu <= 64):
-        raise BadRequest("`cpuCount` must be a number between 1 and 64")
-    if mem is not None and (not isinstance(mem, int) or isinstance(mem, bool) or not 64 <= mem <= 65536):
-        raise BadRequest("`memoryMB` must be a whole number between 64 and 65536")
+    # A cgroup's CPU quota is at least 1 ms per 100 ms period: 0.01 CPUs.
+    if cpu is not None and not MIN_CPU <= _number(cpu, "cpuCount") <= MAX_CPU:
+        raise BadRequest(f"`cpuCount` must be a number from {MIN_CPU} to {MAX_CPU}")
+    if mem is not None:
+        if _number(mem, "memoryMB") != int(mem) or not MIN_MEMORY_MB <= mem <= MAX_MEMORY_MB:
+            raise BadRequest(f"`memoryMB` must be a whole number between {MIN_MEMORY_MB} and {MAX_MEMORY_MB}")
+        mem = int(mem)
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
-        env_vars=_str_map(body, "envVars"), auto_pause=auto_pause, cpu=cpu, memory_mb=mem,
+        env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem,
         allow_internet_access=aia, gateway=gateway,
     )
 
 
 def parse_timeout_body(body: Any, required: bool) -> int:
+    """`{"timeout": seconds}`. Required (set_timeout): 0 or less expires the sandbox now. Optional (connect, fork):
+    absent means the default, and it must be positive."""
     if body is None or body == {}:
         if required:
             raise BadRequest("`timeout` is required")
@@ -75,7 +183,39 @@ def parse_timeout_body(body: Any, required: bool) -> int:
         if required:
             raise BadRequest("`timeout` is required")
         return DEFAULT_TIMEOUT
-    return check_timeout(body["timeout"])
+    seconds = _seconds(body["timeout"])
+    if not required and seconds <= 0:
+        raise BadRequest("`timeout` must be a positive number of seconds")
+    return seconds
+
+
+def parse_pause_body(body: dict[str, Any]) -> bool:
+    """`{"memory"?: bool}` of a pause: whether to keep memory (default true)."""
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    return memory
+
+
+def parse_snapshot_body(body: dict[str, Any]) -> tuple[str | None, bool]:
+    """`{"name"?: str, "memory"?: bool}` of a snapshot: (name, memory)."""
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
+        raise BadRequest("`name` must be a non-empty string of at most 128 characters")
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    return name, memory
+
+
+def parse_fork_body(body: dict[str, Any]) -> tuple[int, int]:
+    """`{"count"?: 1..20, "timeout"?: seconds}` of a fork: (count, timeout)."""
+    count = body.get("count", 1)
+    if isinstance(count, float) and math.isfinite(count) and count == int(count):
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+        raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
+    return count, parse_timeout_body(body, required=False)
 
 
 def sandbox(row: SandboxRow, envd_version: str) -> dict[str, Any]:
@@ -91,19 +231,19 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
         "templateID": row.template_id, "alias": row.template_id, "sandboxID": row.sandbox_id,
         "clientID": CLIENT_ID, "startedAt": rfc3339(row.started_at), "endAt": rfc3339(row.end_at),
         "envdVersion": envd_version, "cpuCount": max(1, int(row.cpu)), "memoryMB": row.memory_mb,
-        "diskSizeMB": 1024, "state": "paused" if row.state == "paused" else "running",
-        "metadata": row.doc.get("metadata", {}),
+        "diskSizeMB": 1024, "state": PUBLIC.get(row.state, "running"),
+        "metadata": dict(row.settings.metadata),
     }
 
 
 def detail(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     out = _common(row, envd_version)
-    if row.state == "paused":
+    if PUBLIC.get(row.state) == "paused":
         out["pauseMode"] = "full"
     out.update({
         "envdAccessToken": row.access_token, "domain": None,
-        "allowInternetAccess": row.doc.get("allowInternetAccess"),
-        "lifecycle": {"autoResume": False, "onTimeout": "pause" if row.doc.get("autoPause") else "kill"},
+        "allowInternetAccess": row.settings.allow_internet_access,
+        "lifecycle": {"autoResume": False, "onTimeout": "pause" if row.settings.auto_pause else "kill"},
     })
     return out
 
@@ -143,14 +283,14 @@ def decode_cursor(token: str) -> tuple[float, str]:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
         ts, sid = raw.split("__")[:2]
         return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp(), sid
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, OverflowError) as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
         raise BadRequest("invalid `nextToken`") from exc
 
 
 def parse_time(value: str, name: str) -> float:
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise BadRequest(f"`{name}` must be an RFC 3339 time, e.g. 2026-01-01T00:00:00Z") from exc
 
 
@@ -176,8 +316,8 @@ def filter_and_page(rows: list[SandboxRow], query: dict[str, str]) -> tuple[list
         raise BadRequest("`limit` must be between 1 and 100")
 
     def keep(r: SandboxRow) -> bool:
-        state = "paused" if r.state == "paused" else "running"
-        md = r.doc.get("metadata", {})
+        state = PUBLIC.get(r.state, "running")
+        md = r.settings.metadata
         return (state in states and all(md.get(k) == v for k, v in meta.items())
                 and (template is None or r.template_id == template)
                 and (after is None or r.started_at >= after - 1e-6))
