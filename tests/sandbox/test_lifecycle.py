@@ -8,6 +8,8 @@ keepstate.testing.FakeRuntime, whose instances keep their files across checkpoin
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import socket
 import time
 
@@ -187,3 +189,27 @@ async def test_the_fake_catches_a_checkpoint_with_a_connection_open(served: Serv
     # The restored instance is wedged: its agent never answers, so the fork fails (JSON error in the list).
     assert status == 201 and "error" in forks[0], forks
     fake(s).violations.clear()
+
+
+async def test_a_request_cut_by_a_kill_before_its_answer_gets_the_routers_json_502(served: Served) -> None:
+    """The SDK reads a JSON 502 as "sandbox not running"; a connection closed under it reads as a network error."""
+    s = served
+    sid, token = await create(s)
+    name = s.manager.records[sid].runtime_name
+    s.runtime.freeze(handle_of(s.manager.records[sid]))  # its agent answers nothing now: the request hangs
+    # A plain HTTP client that never retries (aiohttp's retries a request whose reused connection was closed).
+    def get() -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=30)
+        conn.request("GET", "/files?path=/etc/hostname", headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+
+    request = asyncio.create_task(asyncio.to_thread(get))
+    while not any(s.manager.agents._inflight.get(sid, ())):  # noqa: SLF001 - wait until it is in flight
+        await asyncio.sleep(0.005)
+    assert (await s.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
+    status, body = await request
+    assert status == 502
+    assert json.loads(body) == {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}
+    await s.manager.instances.drain()
+    assert name not in fake(s).names()
