@@ -84,6 +84,28 @@ def wait_agent(handle: Handle, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+OPEN_STATES = {"01", "02", "03", "04", "08", "09", "0B"}  # ESTABLISHED, SYN_*, FIN_WAIT1, CLOSE_WAIT, LAST_ACK, CLOSING
+
+
+def _hex(address: str, port: int) -> str:
+    return "".join(f"{int(b):02X}" for b in reversed(address.split("."))) + f":{port:04X}"
+
+
+def wait_closed(handle: Handle, timeout: float = 10.0) -> None:
+    """Until no TCP connection to the agent is open on the host's side: a checkpoint needs none (gVisor's restored
+    agent wedges on one). A closed connection whose FIN the sandbox has acknowledged is FIN_WAIT2 or TIME_WAIT."""
+    assert handle.endpoint is not None
+    peer = _hex(handle.endpoint.address, handle.endpoint.agent_port)
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+        open_now = [ln for ln in lines if peer in ln.split()[1:3] and ln.split()[3] in OPEN_STATES]
+        if not open_now:
+            return
+        assert time.monotonic() < deadline, f"connections to {handle.name} still open: {open_now}"
+        time.sleep(0.01)  # polling interval
+
+
 def test_create_answers_on_the_agent_port_and_is_listed(subject: Subject) -> None:
     rt = subject.runtime
     spec, slot = subject.spec(), subject.slot()
@@ -120,7 +142,7 @@ def test_checkpoint_then_restore_into_another_slot(subject: Subject, tmp_path: P
     rt = subject.runtime
     handle = rt.create(subject.spec(), subject.slot())
     wait_agent(handle)
-    time.sleep(0.1)  # the health check's connection is closed; let the sandbox's netstack see it
+    wait_closed(handle)
     image = tmp_path / "image"
     rt.checkpoint(handle, image, leave_running=True)
     assert rt.state(handle.name) == "running" and any(image.iterdir())

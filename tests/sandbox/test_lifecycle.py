@@ -181,7 +181,8 @@ async def test_the_fake_catches_a_checkpoint_with_a_connection_open(served: Serv
     row = s.manager.records[sid]
     stray = socket.create_connection((row.address, 49983))  # an idle keep-alive nobody closed
     try:
-        await asyncio.sleep(0.05)
+        while not fake(s).agent(row.runtime_name).open_connections():  # until the agent has accepted it
+            await asyncio.sleep(0.005)
         status, forks = await s.call("POST", f"/sandboxes/{sid}/fork", {"count": 1, "timeout": 30})
     finally:
         stray.close()
