@@ -12,6 +12,8 @@ for name in $names; do
 done
 
 export KEEPSTATE_TEMPLATE_CACHE=/var/lib/keepstate/templates
+# Every server the tests start checks each control-plane response against docs/openapi.yaml: a violation is a 500.
+export KEEPSTATE_VALIDATE_RESPONSES=1
 export KEEPSTATE_TEST_HOME=$(mktemp -d /tmp/keepstate-test.XXXXXX)
 port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 export KEEPSTATE_TEST_API=http://127.0.0.1:$port

@@ -30,6 +30,7 @@ from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, Session
 from . import control, events
 from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER
 from .router import Router, target_of
+from .spec import validating_middleware
 
 log = logging.getLogger("keepstate.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -73,6 +74,8 @@ class KeyCache:
     def check(self, key: str | None) -> str:
         if not key:
             raise Unauthorized("missing API key: send it in the X-API-KEY header (see `keepstate keys create`)")
+        if not key.isascii():  # no key we issue is: and its bytes may not even encode
+            raise Unauthorized("invalid API key")
         now = time.monotonic()
         hit = self._seen.get(key)
         if hit is None or hit[0] < now:
@@ -145,13 +148,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status)
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 names the methods
+            return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status, headers=allow)
         except Exception as exc:
             log.exception("unhandled error on %s %s", request.method, request.path)
             return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
                                      status=500, headers={"Should-Retry": "false"})
 
-    app = web.Application(middlewares=[dispatch], client_max_size=MAX_JSON_BODY, handler_args={"max_field_size": 65536})
+    # Outermost: with KEEPSTATE_VALIDATE_RESPONSES=1 every control-plane answer, errors included, is checked
+    # against docs/openapi.yaml (tests run the server so).
+    app = web.Application(middlewares=[validating_middleware(), dispatch], client_max_size=MAX_JSON_BODY,
+                          handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
     app[CATALOG] = catalog
     app[ENVD_VERSION] = envd_version

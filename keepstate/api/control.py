@@ -68,9 +68,16 @@ async def create(request: web.Request) -> web.Response:
 @routes.post("/v2/sandboxes/{sandbox_id}/connect")
 @routes.post("/sandboxes/{sandbox_id}/connect")
 async def connect(request: web.Request) -> web.Response:
-    timeout = schemas.parse_timeout_body(await json_body(request, required=False), required=False)
+    body = await json_body(request, required=False)
+    timeout = schemas.parse_timeout_body(body, required=False)
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
+    if isinstance(body, dict) and body.get("memory", True) is not True:
+        if body.get("memory") is not False:
+            raise BadRequest("`memory` must be a boolean")
+        manager(request).get(sid(request))  # an unknown sandbox is still a 404
+        raise Unsupported("a resume without memory (on_resume=\"reboot\": a cold boot from the filesystem) is not "
+                          "supported by the gVisor runtime: the root filesystem lives in the sandbox's memory")
     try:
         row, resumed = await manager(request).connect(sid(request), timeout)
     except NotFound:
@@ -140,23 +147,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/pause")
 async def pause(request: web.Request) -> web.Response:
-    body = await object_body(request)
-    memory = body.get("memory", True)
-    if not isinstance(memory, bool):
-        raise BadRequest("`memory` must be a boolean")
+    memory = schemas.parse_pause_body(await object_body(request))
     await manager(request).pause(sid(request), memory=memory)
     return web.Response(status=204)
 
 
 @routes.post("/sandboxes/{sandbox_id}/snapshots")
 async def create_snapshot(request: web.Request) -> web.Response:
-    body = await object_body(request)
-    memory = body.get("memory", True)
-    if not isinstance(memory, bool):
-        raise BadRequest("`memory` must be a boolean")
+    name, memory = schemas.parse_snapshot_body(await object_body(request))
     if memory is False:
         raise Unsupported("filesystem-only snapshots (memory: false) are not supported by the gVisor runtime")
-    info = await manager(request).snapshot(sid(request), body.get("name"))
+    info = await manager(request).snapshot(sid(request), name)
     return web.json_response(info, status=201)
 
 
@@ -172,6 +173,8 @@ async def list_snapshots(request: web.Request) -> web.Response:
         start = int(request.query.get("nextToken", "0") or 0)
     except ValueError:
         raise BadRequest("`limit` and `nextToken` must be whole numbers") from None
+    if start < 0:
+        raise BadRequest("`nextToken` must be a token from an earlier page")
     page = snaps[start:start + max(1, min(limit, 100))]
     headers = {"X-Next-Token": str(start + len(page))} if start + len(page) < len(snaps) else {}
     return web.json_response([{"snapshotID": s["snapshot_id"], "names": s["names"]} for s in page],
@@ -190,9 +193,7 @@ async def delete_snapshot(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/fork")
 async def fork(request: web.Request) -> web.Response:
-    body = await object_body(request)
-    count = body.get("count", 1)
-    timeout = schemas.parse_timeout_body(body, required=False)
+    count, timeout = schemas.parse_fork_body(await object_body(request))
     results = await manager(request).fork(sid(request), count, timeout)
     out = []
     for r in results:

@@ -14,10 +14,10 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
 
-from keepstate.sandbox.record import SandboxRow
-from keepstate.sandbox.state import PUBLIC
 from keepstate.errors import BadRequest
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
+from keepstate.sandbox.record import SandboxRow
+from keepstate.sandbox.state import PUBLIC
 
 CLIENT_ID = "6532622b"
 MIN_CPU, MAX_CPU = 0.01, 64
@@ -71,9 +71,9 @@ def _check_tree(value: Any) -> None:
 def parse_json(raw: bytes, required: bool = True) -> Any:
     """A request body as JSON (RFC 8259: UTF-8, finite numbers); every way it can be wrong is a BadRequest.
 
-    An empty (or all-whitespace) body is None, or a BadRequest when `required`.
+    An empty body is None, or a BadRequest when `required`; whitespace alone is not JSON (a 400).
     """
-    if not raw.strip():
+    if not raw:
         if required:
             raise BadRequest("request body must be JSON")
         return None
@@ -95,8 +95,9 @@ def parse_json(raw: bytes, required: bool = True) -> Any:
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
-    """An optional JSON object body: empty means {}; anything but an object (`[]`, `0`, `null`) is a BadRequest."""
-    if not raw.strip():
+    """An optional JSON object body: empty means {}; anything but an object (`[]`, `0`, `null`, blanks) is a
+    BadRequest."""
+    if not raw:
         return {}
     body = parse_json(raw)
     if not isinstance(body, dict):

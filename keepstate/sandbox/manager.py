@@ -18,6 +18,7 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class SandboxManager:
         self.records: dict[str, SandboxRow] = {}  # every listed sandbox (running, paused, transient), by ID
         self.pools: dict[str, Pool] = {}
         self.metrics: dict[str, deque[dict[str, Any]]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # Weak: a sandbox's lock lives while a command holds or awaits it, so killed sandboxes leave none behind.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
         self._builds: dict[str, asyncio.Task[Built]] = {}
         if recorder.poller is not None:

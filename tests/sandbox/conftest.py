@@ -23,6 +23,7 @@ from keepstate.sandbox.manager import SandboxManager
 from keepstate.testing import FakeRuntime, FakeTemplates
 
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
+os.environ.setdefault("KEEPSTATE_VALIDATE_RESPONSES", "1")  # every answer checked against docs/openapi.yaml
 
 
 def gvisor_unavailable() -> str | None:
