@@ -90,6 +90,9 @@ class SlotTable(Protocol):
     def orphaned(self) -> list[tuple[int, str]]:
         """(slot, instance name) of every slot whose data directory is gone."""
 
+    def owned(self, home: str) -> list[tuple[int, str]]:
+        """(slot, instance name) of every slot recorded for the data directory `home`."""
+
 
 class Runtime(Protocol):
     """A sandbox engine. Instances are named (unique on the host) and sit in a network slot; every method is

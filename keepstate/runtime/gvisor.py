@@ -122,6 +122,9 @@ class HostSlots:
     def orphaned(self) -> list[tuple[int, str]]:
         return network.orphaned_slots()
 
+    def owned(self, home: str) -> list[tuple[int, str]]:
+        return network.owned_slots(home)
+
 
 class GVisorRuntime:
     kind = "gvisor"

@@ -76,9 +76,14 @@ def record_slot_owner(slot: int, home: str, name: str) -> None:
 
 def orphaned_slots() -> list[tuple[int, str]]:
     """Slots whose owning data directory no longer exists: (slot, runtime name) to reap."""
+    return [(slot, str(o["name"])) for slot, o in _owners()
+            if not os.path.exists(os.path.join(o["home"], "catalog.sqlite"))]
+
+
+def _owners() -> list[tuple[int, dict[str, str]]]:
     import json
 
-    out: list[tuple[int, str]] = []
+    out: list[tuple[int, dict[str, str]]] = []
     try:
         names = os.listdir(SLOTS_DIR)
     except FileNotFoundError:
@@ -91,10 +96,14 @@ def orphaned_slots() -> list[tuple[int, str]]:
                 owner = json.load(f)
         except (OSError, ValueError):
             continue  # a bare claim (just being started) or unreadable: leave it
-        if isinstance(owner, dict) and owner.get("home") and owner.get("name") \
-                and not os.path.exists(os.path.join(owner["home"], "catalog.sqlite")):
-            out.append((int(entry), str(owner["name"])))
+        if isinstance(owner, dict) and owner.get("home") and owner.get("name"):
+            out.append((int(entry), owner))
     return out
+
+
+def owned_slots(home: str) -> list[tuple[int, str]]:
+    """Slots recorded for the data directory `home`: (slot, runtime name)."""
+    return [(slot, str(o["name"])) for slot, o in _owners() if o["home"] == home]
 
 
 def slot_owner(slot: int) -> str | None:

@@ -88,3 +88,23 @@ async def adopt(m: SandboxManager) -> None:
         else:
             log.warning("sandbox %s (%s) is gone or stale; reaping", row.sandbox_id, row.state)
             await m.instances.reap(row)
+    await sweep_unknown(m)
+
+
+async def sweep_unknown(m: SandboxManager) -> None:
+    """Reap instances recorded in the slot table for this data directory that no row knows: started by a command
+    the crash interrupted before its row named them (a resume's or a fork's restore)."""
+    known = {name for p in m.pools.values() for name in p.names()}
+    for row in m.catalog.sandboxes():
+        known.add(row.runtime_name)
+        for inst in (row.settings.standby, row.settings.retired):
+            if inst is not None:
+                known.add(inst.name)
+    for slot, name in await asyncio.to_thread(m.slots.owned):
+        if name not in known:
+            log.warning("reaping instance %s in slot %d: no sandbox of this server knows it", name, slot)
+            try:
+                await asyncio.to_thread(m.runtime.destroy, Handle(name, slot))
+            except Exception as exc:
+                log.warning("destroy of %s failed: %s", name, exc)
+            m.slots.release(slot)

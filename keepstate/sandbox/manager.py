@@ -497,9 +497,9 @@ class SandboxManager:
     async def _kill_paused(self, row: SandboxRow) -> None:
         self.records.pop(row.sandbox_id, None)
         self.standbys.discard(row.sandbox_id)
-        for inst in (row.settings.standby, row.settings.retired):
-            if inst is not None:
-                self.instances.in_background(self.instances.reap(row.with_instance(inst), keep_row=True))
+        if row.settings.standby is not None:  # a retired instance has its teardown under way already
+            self.instances.in_background(self.instances.reap(row.with_instance(row.settings.standby),
+                                                             keep_row=True))
         self.catalog.delete_sandbox(row.sandbox_id)
         row.state = State.KILLED
         self.gateway.end(row)

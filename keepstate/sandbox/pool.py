@@ -42,6 +42,10 @@ class Pool:
         self._ready.clear()
         return rows
 
+    def names(self) -> list[str]:
+        """The runtime names of the sandboxes ready in the pool."""
+        return [r.runtime_name for r in self._ready]
+
     def __len__(self) -> int:
         return len(self._ready)
 

@@ -50,3 +50,7 @@ class Slots:
 
     def orphaned(self) -> list[tuple[int, str]]:
         return self.table.orphaned()
+
+    def owned(self) -> list[tuple[int, str]]:
+        """Slots recorded for this server's data directory, host-wide: (slot, instance name)."""
+        return self.table.owned(self.home)

@@ -92,6 +92,10 @@ class FakeSlots:
             return [(slot, name) for slot, name in self._owners.items()
                     if name and not (Path(self._homes[slot]) / "catalog.sqlite").exists()]
 
+    def owned(self, home: str) -> list[tuple[int, str]]:
+        with self._lock:
+            return [(slot, name) for slot, name in self._owners.items() if name and self._homes.get(slot) == home]
+
     def held(self) -> set[int]:
         with self._lock:
             return set(self._owners)

@@ -214,3 +214,28 @@ async def test_a_request_cut_by_a_kill_before_its_answer_gets_the_routers_json_5
     assert json.loads(body) == {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}
     await s.manager.instances.drain()
     assert name not in fake(s).names()
+
+
+async def test_a_new_server_reaps_instances_no_row_knows() -> None:
+    """A crash between a restore and the write of its row (a resume, a fork) leaves an instance only the slot
+    table names; the next server of that data directory reaps it, and leaves other servers' instances alone."""
+    from keepstate.runtime.base import Limits, SandboxSpec, TemplateRoot
+
+    runtime = FakeRuntime()
+    async with serving(runtime=runtime, reap_on_exit=False, pool_size=0) as first:
+        kept, _ = await create(first)
+        home, key = first.home, first.key
+    spec = SandboxSpec("ks-stray", TemplateRoot("base", "sha256:fake-base", home), Limits())
+    other = SandboxSpec("ks-elses", TemplateRoot("base", "sha256:fake-base", home), Limits())
+    elsewhere = home.parent / (home.name + "-other-server")
+    elsewhere.mkdir()
+    (elsewhere / "catalog.sqlite").touch()  # a live server's data directory: its instances are not orphans
+    for s, owner_home in ((spec, str(home)), (other, str(elsewhere))):
+        slot = next(n for n in range(100, 200) if runtime.slots.claim(n))
+        runtime.slots.record_owner(slot, owner_home, s.name)
+        runtime.create(s, slot)
+    async with serving(home=home, runtime=runtime, key=key, pool_size=0) as second:
+        assert "ks-stray" not in runtime.names() and "ks-stray" not in {n for _, n in runtime.slots.owned(str(home))}
+        assert "ks-elses" in runtime.names()  # not this data directory's
+        assert (await second.call("GET", f"/sandboxes/{kept}"))[1]["state"] == "running"
+    runtime.close()
