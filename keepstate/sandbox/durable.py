@@ -89,8 +89,8 @@ class Durability:
     def capture(self, row: SandboxRow) -> Path:
         """Run `runsc checkpoint` into a fresh image folder and return it. The sandbox is left as it was: running
         on, or (a pause) frozen."""
-        image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self._spool(row.memory_mb)))
         handle = Handle(row.runtime_name, row.slot)
+        image = Path(tempfile.mkdtemp(prefix="ckpt-", dir=self._capture_spool(handle, row.memory_mb)))
         try:
             try:
                 self.runtime.checkpoint(handle, image, leave_running=True)
@@ -106,6 +106,19 @@ class Durability:
             shutil.rmtree(image, ignore_errors=True)
             raise
         return image
+
+    def _capture_spool(self, handle: Handle, memory_mb: int) -> Path:
+        """Where a checkpoint image is written. The sandbox's own sentry writes it, so a tmpfs image's pages are
+        charged to the sandbox's memory cgroup (and stay charged until the file is deleted): an image about as
+        large as the memory in use must fit beside it under the limit, or the kernel OOM-kills the sandbox in the
+        middle of its checkpoint (seen: a sandbox holding 293 MB of 512 MB). Otherwise the data directory, whose
+        page cache the kernel can write back and reclaim."""
+        stats = self.runtime.cgroup_stats(handle)
+        usage = stats.get("mem_used", 0) + stats.get("mem_cache", 0)
+        limit = stats.get("mem_limit") or memory_mb << 20
+        if limit - usage > usage + CAPTURE_MARGIN:
+            return self._spool(memory_mb)
+        return self.images
 
     def _spool(self, memory_mb: int) -> Path:
         """Where an image passes between runsc and the store: RAM (tmpfs) when it has room for it, so that
@@ -181,6 +194,7 @@ class Durability:
         return found[-1] if found else None
 
 
+CAPTURE_MARGIN = 64 << 20  # beyond the image's size: what runsc checkpoint itself needs in the sandbox's cgroup
 HOME_MARK = ".home"  # in each server's folder in RAM: the data directory it belongs to
 
 

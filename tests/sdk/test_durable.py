@@ -9,6 +9,8 @@ import urllib.request
 import pytest
 from e2b import Sandbox, SandboxState
 
+from sdkharness import wait_until
+
 # A process whose state lives in memory: a counter, an open file and a listening socket.
 STATEFUL = r"""
 import socket, time
@@ -34,11 +36,8 @@ def start_stateful(sbx) -> int:
     sbx.files.write("/home/user/stateful.py", STATEFUL)
     sbx.files.write("/home/user/notes.txt", "written before the pause")
     handle = sbx.commands.run("python3 /home/user/stateful.py", background=True)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if sbx.files.exists("/tmp/count") and int(sbx.files.read("/tmp/count") or 0) > 3:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: sbx.files.exists("/tmp/count") and int(sbx.files.read("/tmp/count") or 0) > 3, 20,
+               "the stateful process to count past 3 in /tmp/count")
     return handle.pid
 
 
@@ -79,13 +78,27 @@ def test_pause_resume_keeps_processes_memory_and_files(new_sandbox) -> None:
     assert any(p.pid == pid for p in resumed.commands.list())
     after = counter(resumed)
     assert after >= before
-    time.sleep(0.5)
-    assert counter(resumed) > after
+    wait_until(lambda: counter(resumed) > after, 30, f"the resumed process to count on past {after}")
     assert ask_socket(resumed).startswith("count=")
     lines = resumed.files.read("/tmp/log.txt").split()
     assert lines == [str(i) for i in range(1, len(lines) + 1)]  # one unbroken sequence: no restart
     assert resumed.files.read("/home/user/notes.txt") == "written before the pause"
     assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.RUNNING
+
+
+def test_pause_of_a_sandbox_using_most_of_its_memory(new_sandbox) -> None:
+    """The checkpoint image is as large as the memory in use; written where it is charged to the sandbox's own
+    memory limit (tmpfs), it OOM-killed a sandbox holding 300 of its 512 MB in the middle of its pause."""
+    sbx = new_sandbox(timeout=300)
+    sbx.commands.run("python3 -c \"import hashlib,os,time; b=os.urandom(300<<20); "
+                     "open('/tmp/sum','w').write(hashlib.sha256(b).hexdigest()); time.sleep(3600)\" "
+                     ">/dev/null 2>&1 &")
+    wait_until(lambda: sbx.files.exists("/tmp/sum"), 120, "the sandbox to hold 300 MiB of fresh memory")
+    digest = sbx.files.read("/tmp/sum")
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.files.read("/tmp/sum") == digest
+    assert "os.urandom(300<<20)" in resumed.commands.run("ps -eo args").stdout  # the process lives on
 
 
 def test_connect_to_running_after_resume_is_200_path(new_sandbox) -> None:
@@ -119,10 +132,9 @@ def test_auto_pause_on_timeout(e2b_env) -> None:
         pytest.skip("this SDK version has no lifecycle= argument")
     try:
         sbx.files.write("/home/user/kept.txt", "kept")
-        deadline = time.monotonic() + 60
-        while Sandbox.get_info(sbx.sandbox_id).state != SandboxState.PAUSED and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        # its 2 s timeout elapses while we watch for the outcome
+        wait_until(lambda: Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, 60,
+                   "the sandbox to be paused at its timeout", every=0.5)
         resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
         assert resumed.files.read("/home/user/kept.txt") == "kept"
     finally:
@@ -195,17 +207,18 @@ def test_history_records_the_session(new_sandbox, server) -> None:
     sbx.files.write("/home/user/h.txt", "h")
     sbx.pause()
     Sandbox.connect(sbx.sandbox_id)
-    deadline = time.monotonic() + 15
+    expected = {"process.start", "process.exit", "file.write", "checkpoint", "sandbox.pause", "sandbox.resume"}
     kinds: list[str] = []
-    while time.monotonic() < deadline:
+
+    def complete() -> dict | None:  # the agent's journal reaches the history when the server pulls it
         history = api(server, f"/sandboxes/{sbx.sandbox_id}/events?verify=true")
-        kinds = [e["kind"] for e in history["events"]]
-        if "process.start" in kinds and "file.write" in kinds and "sandbox.resume" in kinds:
-            break
-        time.sleep(0.5)
+        assert isinstance(history, dict)
+        kinds[:] = [e["kind"] for e in history["events"]]
+        return history if expected <= set(kinds) else None
+
+    history = wait_until(complete, 15, lambda: f"the history to hold every one of {sorted(expected)}: {kinds}",
+                         every=0.5)
     assert kinds[0] == "sandbox.create"
-    for kind in ("process.start", "process.exit", "file.write", "checkpoint", "sandbox.pause", "sandbox.resume"):
-        assert kind in kinds, kinds
     assert history["verified"]["ok"] is True
     # paused moments ago on this server: its frozen standby was thawed, not restored from the store
     assert [e["data"]["from"] for e in history["events"] if e["kind"] == "sandbox.resume"] == ["standby"]
