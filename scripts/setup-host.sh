@@ -10,8 +10,9 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-stamp=/var/lib/keepstate/.host-setup-v3
-if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null; then
+stamp=/var/lib/keepstate/.host-setup-v4
+if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
+    && command -v conntrack >/dev/null; then
   exit 0
 fi
 
@@ -47,7 +48,7 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
-  debootstrap iproute2 iptables util-linux procps ca-certificates \
+  debootstrap iproute2 iptables conntrack util-linux procps ca-certificates \
   python3 python3-venv python3-dev gcc make git restic zstd >/dev/null
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -137,9 +138,23 @@ def _nsenter(link: Link, *args: str, check: bool = True) -> subprocess.Completed
     return _run("nsenter", f"--net={link.netns_path}", *args, check=check)
 
 
+def forget_connections(link: Link) -> None:
+    """Drop the host's connection-tracking entries of the slot's addresses.
+
+    They outlive the sandbox: a connection open when its veth went away keeps an ESTABLISHED entry for five days
+    (its FIN is never sent), so every sandbox would leave some behind, filling the table (nf_conntrack_max: once
+    full, new connections are dropped host-wide), and the next sandbox in the slot would inherit them.
+    """
+    if shutil.which("conntrack") is None:
+        return  # scripts/setup-host.sh installs it
+    for ip in (link.sandbox_ip, link.host_ip):
+        for flag in ("--orig-src", "--orig-dst"):
+            _run("conntrack", "-D", flag, ip, check=False)  # exits 1 when there was nothing to delete
+
+
 def create(link: Link) -> None:
     """Create the namespace and veth pair; idempotent (a half-made link is rebuilt)."""
-    destroy(link)
+    destroy(link)  # and with it the last sandbox's connection-tracking entries
     _run("ip", "netns", "add", link.netns)
     peer = f"ksp{link.slot}"
     _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", peer)
@@ -165,6 +180,7 @@ def prepare_for_start(link: Link) -> None:
 def destroy(link: Link) -> None:
     _run("ip", "link", "del", link.host_if, check=False)
     _run("ip", "netns", "del", link.netns, check=False)
+    forget_connections(link)
 
 
 def exists(link: Link) -> bool:

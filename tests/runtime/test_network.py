@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,31 @@ def test_slot_claims_record_their_owner(tmp_path: Path, monkeypatch: pytest.Monk
     assert network.orphaned_slots() == [(7, "ks-two")]  # its data directory has no catalog: nobody will adopt it
     (tmp_path / "catalog.sqlite").touch()
     assert network.orphaned_slots() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("conntrack") is None, reason="needs root and conntrack")
+def test_a_slots_link_forgets_its_last_sandboxs_connections() -> None:
+    """Connection-tracking entries outlive a sandbox (an ESTABLISHED one for five days); a slot's link drops its
+    own, and only its own."""
+    slot = next(n for n in range(network.MAX_SLOTS - 1, 1, -1) if network.claim_slot(n))
+    link = network.link_for(slot)
+    other = network.link_for(slot - 1)
+    try:
+        entries = []
+        for lk, port in ((link, 40123), (other, 40124)):
+            entry = ["-p", "tcp", "-s", lk.host_ip, "-d", lk.sandbox_ip, "--sport", str(port), "--dport", "49983"]
+            subprocess.run(["conntrack", "-I", *entry, "--state", "ESTABLISHED", "-t", "600", "-u", "ASSURED"],
+                           check=True, capture_output=True)
+            entries.append(entry)
+
+        def tracked(entry: list[str]) -> bool:
+            return subprocess.run(["conntrack", "-L", *entry], capture_output=True, text=True).stdout.strip() != ""
+
+        assert tracked(entries[0]) and tracked(entries[1])
+        network.create(link)
+        assert not tracked(entries[0])  # this slot's: gone
+        assert tracked(entries[1])  # another slot's: left alone
+    finally:
+        network.destroy(link)
+        network.release_slot(slot)
+        subprocess.run(["conntrack", "-D", "-s", other.host_ip, "-d", other.sandbox_ip], capture_output=True)
