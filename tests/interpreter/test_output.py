@@ -52,8 +52,25 @@ def test_error_only_in_reply_uses_stderr() -> None:
     out = ExecutionOutput()
     out.feed(msg("stream", name="stderr", text="at x\nTypeError: boom\n    at y\n"))
     lines = out.feed(msg("execute_reply", status="error", execution_count=4))
-    assert lines[0] == {"type": "number_of_executions", "execution_count": 4}
-    assert (lines[1]["name"], lines[1]["value"]) == ("TypeError", "boom")
+    assert lines == [{"type": "number_of_executions", "execution_count": 4}]
+    lines = out.feed(msg("status", execution_state="idle"))  # all of the execution's output precedes idle
+    assert [(x["name"], x["value"]) for x in lines] == [("TypeError", "boom")] and out.done
+
+
+def test_error_reply_that_overtakes_the_printed_error_waits_for_it() -> None:
+    """tslab reports a throw only in the reply and prints the error on IOPub; the reply, on the shell channel, may
+    arrive first (seen in CI: the error came out as 'Error: execution failed')."""
+    out = ExecutionOutput()
+    lines = out.feed(msg("execute_reply", status="error", execution_count=5))
+    lines += out.feed(msg("stream", name="stderr", text="TypeError: boom\n    at <anonymous>\n"))
+    lines += out.feed(msg("status", execution_state="idle"))
+    errors = [x for x in lines if x["type"] == "error"]
+    assert [(x["name"], x["value"]) for x in errors] == [("TypeError", "boom")] and out.done and out.failed
+    late = ExecutionOutput()  # idle first, then the reply: nothing more can come, so at once
+    late.feed(msg("stream", name="stderr", text="RangeError: far\n"))
+    late.feed(msg("status", execution_state="idle"))
+    assert [(x["name"], x["value"]) for x in late.feed(msg("execute_reply", status="error"))
+            if x["type"] == "error"] == [("RangeError", "far")]
 
 
 def test_silent_and_aborted() -> None:

@@ -90,6 +90,7 @@ class ExecutionOutput:
     _error_sent: bool = False
     _count_sent: bool = False
     _stderr_tail: list[str] = field(default_factory=list)
+    _failed_reply: dict[str, Any] | None = None  # an error reply that names no error, waiting for the stderr
 
     @property
     def done(self) -> bool:
@@ -111,6 +112,8 @@ class ExecutionOutput:
         if kind == "status":
             if content.get("execution_state") == "idle":
                 self.idle = True
+                if self._failed_reply is not None and not self._error_sent:
+                    return self._error_from_reply(self._failed_reply)
             return []
         if kind == "execute_reply":
             self.reply = content
@@ -150,14 +153,21 @@ class ExecutionOutput:
         # Kernels that publish no execute_input (tslab) still give the count in the reply.
         lines = self._count(content.get("execution_count"))
         if content.get("status") == "error" and not self._error_sent:
-            # Kernels that report failure only in the reply (tslab prints the error to stderr).
-            self._error_sent = True
-            stderr = "".join(self._stderr_tail).strip()
-            name, value = str(content.get("ename") or ""), str(content.get("evalue") or "")
-            if not name and not value:
-                name, value = _error_from_text(stderr)
-            lines.append(error_line(name or "Error", value, content.get("traceback") or stderr))
+            if content.get("ename") or content.get("evalue") or self.idle:
+                lines.extend(self._error_from_reply(content))
+            else:
+                # A kernel that reports failure only in the reply and prints the error (tslab: to stderr, on
+                # IOPub). The reply (shell channel) may overtake that output; all of it precedes the idle status.
+                self._failed_reply = content
         return lines
+
+    def _error_from_reply(self, content: dict[str, Any]) -> list[Line]:
+        self._error_sent = True
+        stderr = "".join(self._stderr_tail).strip()
+        name, value = str(content.get("ename") or ""), str(content.get("evalue") or "")
+        if not name and not value:
+            name, value = _error_from_text(stderr)
+        return [error_line(name or "Error", value, content.get("traceback") or stderr)]
 
 
 _ERROR_LINE = re.compile(r"^([A-Za-z_$][\w$.]*(?:Error|Exception)|Error): ?(.*)$")
