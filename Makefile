@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VENV_E2B250 := .venv-e2b250
+VENV_E2B245 := .venv-e2b245
 LISTEN ?= 127.0.0.1:3000
 
 .PHONY: setup host venv up test bench clean-test
@@ -15,7 +16,7 @@ setup: host venv
 host:
 	@bash scripts/setup-host.sh
 
-venv: $(VENV)/.installed $(VENV_E2B250)/.installed
+venv: $(VENV)/.installed $(VENV_E2B250)/.installed $(VENV_E2B245)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,12 @@ $(VENV)/.installed: pyproject.toml
 $(VENV_E2B250)/.installed: tests/requirements-e2b250.txt
 	@test -x $(VENV_E2B250)/bin/python || $(PYTHON) -m venv $(VENV_E2B250)
 	@$(VENV_E2B250)/bin/pip install --quiet --disable-pip-version-check -r tests/requirements-e2b250.txt
+	@touch $@
+
+# A release that refuses API keys not in E2B's format ("e2b_" + hex) before it sends anything.
+$(VENV_E2B245)/.installed: tests/requirements-e2b245.txt
+	@test -x $(VENV_E2B245)/bin/python || $(PYTHON) -m venv $(VENV_E2B245)
+	@$(VENV_E2B245)/bin/pip install --quiet --disable-pip-version-check -r tests/requirements-e2b245.txt
 	@touch $@
 
 up: setup

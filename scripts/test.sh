@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: unit and component tests, then the SDK tests against one shared KeepState
-# server with real gVisor sandboxes, with the newest e2b SDK and again with e2b==2.50.0; the agent
-# tests run once more against an agent process on the host (what the router keeps private).
+# server with real gVisor sandboxes, with the newest e2b SDK, again with e2b==2.50.0 (the last on
+# the v1 routes) and the control-plane ones with e2b==2.45.0 (it checks the API key's format); the
+# agent tests run once more against an agent process on the host (what the router keeps private).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -47,6 +48,9 @@ env -u KEEPSTATE_TEST_API -u KEEPSTATE_TEST_KEY $BIN/python -m pytest -n 2 -p no
 echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes"
 KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent \
   || status=$?
+echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request"
+.venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . \
+  tests/sdk/test_control_plane.py || status=$?
 if [ $status -ne 0 ]; then
   echo "== server log (last 80 lines)"; tail -n 80 "$logs"
 fi

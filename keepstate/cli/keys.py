@@ -7,7 +7,7 @@ import time
 import click
 
 from keepstate.config import home
-from keepstate.db.catalog import Catalog
+from keepstate.db.catalog import API_KEY_FORMAT, Catalog
 from keepstate.errors import NotFound
 
 from .common import Group, emit_json, home_option, json_option
@@ -74,7 +74,7 @@ def dev() -> None:
     cat = _catalog()
     if path.exists():
         secret = path.read_text().strip()
-        if cat.find_key(secret):
+        if cat.find_key(secret) and API_KEY_FORMAT.match(secret):  # an older dev key in our old format is replaced
             click.echo(secret)
             return
     _, secret = cat.create_key("development")

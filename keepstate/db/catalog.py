@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import sqlite3
 import threading
@@ -67,6 +68,15 @@ class ApiKey:
     revoked_at: float | None = None
 
 
+# E2B's format: some SDK releases (e2b 2.45) refuse any other before sending a request. Keys issued before in our
+# own format ("ks_" + 40 hex) are still accepted: a key is looked up by its hash, whatever its shape.
+API_KEY_FORMAT = re.compile(r"\Ae2b_[0-9a-f]+\Z")
+
+
+def new_api_key() -> str:
+    return "e2b_" + secrets.token_hex(20)
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -94,8 +104,8 @@ class Catalog:
 
     # -- API keys ------------------------------------------------------------------
     def create_key(self, name: str, key: str | None = None) -> tuple[ApiKey, str]:
-        key = key or "ks_" + secrets.token_hex(20)
-        k = ApiKey(id="key_" + secrets.token_hex(6), name=name, prefix=key[:7], created_at=time.time())
+        key = key or new_api_key()
+        k = ApiKey(id="key_" + secrets.token_hex(6), name=name, prefix=key[:8], created_at=time.time())
         self._q("INSERT INTO api_keys (id,name,key_hash,prefix,created_at) VALUES (?,?,?,?,?)",
                 (k.id, k.name, hash_key(key), k.prefix, k.created_at))
         return k, key

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 
-from keepstate.db.catalog import Catalog, SandboxRow
+from keepstate.db.catalog import API_KEY_FORMAT, Catalog, SandboxRow
 from keepstate.sandbox.record import Instance, Settings
 from keepstate.sandbox.state import State
 
@@ -52,3 +53,13 @@ def test_rows_written_by_earlier_releases_still_load(tmp_path: Path) -> None:
     assert (s.metadata, s.env_vars, s.auto_pause, s.allow_internet_access) == ({"k": "v"}, {"A": "1"}, True, False)
     assert (s.gateway_token, s.checkpoint_id, s.session_id) == ("gt", "CK1", "old")
     assert s.standby == Instance("ks-9", 9, "10.88.0.38", 3.0, 1024) and s.retired is None
+
+
+def test_keys_are_issued_in_e2bs_format_and_older_ones_still_work(tmp_path: Path) -> None:
+    """e2b 2.45 refuses a key that is not "e2b_" + hex before it sends anything; keys we issued before in our own
+    "ks_" format keep working."""
+    cat = Catalog(tmp_path / "c.sqlite")
+    key, secret = cat.create_key("new")
+    assert re.fullmatch(r"e2b_[0-9a-f]+", secret) and API_KEY_FORMAT.match(secret) and key.prefix == secret[:8]
+    old_key, old_secret = cat.create_key("old", key="ks_" + "ab" * 20)
+    assert cat.find_key(old_secret).id == old_key.id and not API_KEY_FORMAT.match(old_secret)
