@@ -64,7 +64,7 @@ def test_env_vars_sandbox_and_request(control_plane) -> None:
 
 
 def test_background_and_wait(sandbox) -> None:
-    handle = sandbox.commands.run("sleep 0.2; echo done", background=True)
+    handle = sandbox.commands.run("sleep 0.2; echo done", background=True)  # outlives run(): wait() waits for it
     assert handle.pid > 0
     result = handle.wait()
     assert result.stdout == "done\n"
@@ -128,6 +128,7 @@ def test_background_grandchild_does_not_hold_the_command(sandbox) -> None:
 
 
 def test_broken_utf8(sandbox) -> None:
+    # Two writes a moment apart, so the "€" is likely split across output chunks; correct either way.
     result = sandbox.commands.run(r"printf '\xe2\x82'; sleep 0.1; printf '\xac ok\xff'")
     assert result.stdout.startswith("€ ok")
     assert result.stdout.endswith("\ufffd")

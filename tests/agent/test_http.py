@@ -7,6 +7,7 @@ import gzip
 import json
 import secrets
 import struct
+import time
 
 import pytest
 
@@ -31,6 +32,46 @@ def _frames(body: bytes) -> list[tuple[int, dict]]:
 def _envelope(message: dict) -> bytes:
     data = json.dumps(message).encode()
     return struct.pack(">BI", 0, len(data)) + data
+
+
+class _Stream:
+    """The frames of a streaming Connect response, read as they arrive: to wait for one, not for a guessed time."""
+
+    def __init__(self, response) -> None:  # an httpx.Response, streaming
+        self._chunks = response.iter_raw()
+        self._buffer = b""
+        self.frames: list[tuple[int, dict]] = []
+
+    def _next(self) -> tuple[int, dict] | None:
+        while True:
+            if len(self._buffer) >= 5:
+                flags, length = struct.unpack(">BI", self._buffer[:5])
+                if len(self._buffer) >= 5 + length:
+                    frame = (flags, json.loads(self._buffer[5 : 5 + length]))
+                    self._buffer = self._buffer[5 + length :]
+                    self.frames.append(frame)
+                    return frame
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                assert not self._buffer, f"the stream ended inside a frame: {self._buffer!r}"
+                return None
+            self._buffer += chunk
+
+    def until(self, what: str, event: str, within_s: float = 20.0) -> None:
+        """Read on until a message frame whose event is `event` ("start", "keepalive", ...)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            frame = self._next()
+            if frame is None:
+                raise AssertionError(f"the stream ended before {what}: {self.frames}")
+            if frame[0] == 0 and event in frame[1].get("event", {}):
+                return
+        raise AssertionError(f"no {what} within {within_s:g} s: {self.frames}")
+
+    def rest(self) -> list[tuple[int, dict]]:
+        while self._next() is not None:
+            pass
+        return self.frames
 
 
 def test_health_needs_no_token(secured) -> None:
@@ -145,21 +186,31 @@ def test_octet_stream_gzip_upload(secured, home_dir) -> None:
     assert r.content == payload and r.headers["content-length"] == str(len(payload))
 
 
-def test_raw_connect_stream_tags_and_keepalive(secured) -> None:
+def test_raw_connect_stream_tags_and_keepalive(secured, home_dir) -> None:
     token = secured.token
     headers = {"X-Access-Token": token, "Content-Type": "application/connect+json",
                "Connect-Protocol-Version": "1", "Keepalive-Ping-Interval": "1",
                "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
-    start = {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 1.5; echo tagged"]}, "tag": "job-1", "stdin": False}
+    # The process says nothing until the test releases it (or 30 s pass): it is still running when listed, and its
+    # stream stays silent until a keepalive has come.
+    release = f"{home_dir}/release"
+    script = 'for _ in $(seq 600); do [ -e "$1" ] && break; sleep 0.05; done; echo tagged'
+    start = {"process": {"cmd": "/bin/sh", "args": ["-c", script, "sh", release]}, "tag": "job-1", "stdin": False}
     unary = {"X-Access-Token": token, "Content-Type": "application/json"}
     with secured.client() as client:
         with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
             assert r.status_code == 200
             assert r.headers["content-type"] == "application/connect+json"
+            stream = _Stream(r)
+            stream.until("the start event", "start")
             listed = client.post("/process.Process/List", json={}, headers=unary).json()
             tagged = [p for p in listed["processes"] if p.get("tag") == "job-1"]
             assert len(tagged) == 1
-            frames = _frames(r.read())
+            stream.until("a keepalive", "keepalive")
+            up = client.post("/files", params={"path": release}, content=b"go",
+                             headers={"X-Access-Token": token, "Content-Type": "application/octet-stream"})
+            assert up.status_code == 200, up.text
+            frames = stream.rest()
     events = [f[1] for f in frames if f[0] == 0]
     assert events[0]["event"]["start"]["pid"] == tagged[0]["pid"]
     assert any("keepalive" in e["event"] for e in events)
@@ -177,10 +228,11 @@ def test_raw_connect_by_tag_and_sigterm(secured) -> None:
     start = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "tag": "sleepy"}
     with secured.client() as client:
         with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
-            r.iter_raw()
+            stream = _Stream(r)
+            stream.until("the start event", "start")  # the tag is known from here on
             sig = {"process": {"tag": "sleepy"}, "signal": "SIGNAL_SIGTERM"}
             assert client.post("/process.Process/SendSignal", json=sig, headers=unary).status_code == 200
-            frames = _frames(r.read())
+            frames = stream.rest()
         end = frames[-2][1]["event"]["end"]
         assert end["status"] == "signal: terminated" and end["exitCode"] == -1
         bad = client.post("/process.Process/SendSignal",

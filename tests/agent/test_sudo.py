@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import uuid
 
 import pytest
@@ -138,15 +139,26 @@ def test_sudo_env_rules(sandbox, sudo) -> None:
     assert sandbox.commands.run(f"{sudo} BAR=y {show}").stdout == "|/root|user|y\n"
 
 
+def _root_runs(command: str) -> str:
+    """A shell test: whether a root process runs `command` (its program perhaps a full path). That is the relayed
+    command itself, not the sudo client asking for it: the client runs as the user."""
+    return f"ps -u root -o args= | grep -Eqx '(.*/)?{re.escape(command)}'"
+
+
 def test_sudo_signals_reach_the_command(sandbox, sudo) -> None:
     mark = f"{uuid.uuid4().int % 1000}.{uuid.uuid4().int % 1000 + 1}"
-    # SIGTERM to sudo is relayed; sudo then dies of the same signal, as the shell sees (128 + 15).
-    out = sandbox.commands.run(f"{sudo} sleep 4{mark} & p=$!; sleep 0.5; kill -TERM $p; wait $p; echo $?",
-                               timeout=30)
+    # SIGTERM to sudo is relayed; sudo then dies of the same signal, as the shell sees (128 + 15). The signal is
+    # sent once the relayed command runs, so it is the relay that is tested, not sudo dying before it asked.
+    started = _root_runs(f"sleep 4{mark}")
+    out = sandbox.commands.run(
+        f"{sudo} sleep 4{mark} & p=$!; for _ in $(seq 400); do {started} && break; sleep 0.05; done; "
+        f"{started} || {{ kill -KILL $p; echo 'the relayed command never started' >&2; exit 1; }}; "
+        "kill -TERM $p; wait $p; echo $?", timeout=30)
     assert out.stdout == "143\n"
     # Killing the command (its whole process group, sudo included) must not leave the root command behind.
     handle = sandbox.commands.run(f"{sudo} sleep 5{mark}", background=True)
-    assert eventually(lambda: f"sleep 5{mark}" in sandbox.commands.run("ps -eo args", user="root").stdout)
+    running = _root_runs(f"sleep 5{mark}")
+    assert eventually(lambda: sandbox.commands.run(f"{running} && echo yes || true", user="root").stdout == "yes\n")
     sandbox.commands.kill(handle.pid)
     assert eventually(lambda: f"sleep 5{mark}" not in sandbox.commands.run("ps -eo args", user="root").stdout)
     assert f"sleep 4{mark}" not in sandbox.commands.run("ps -eo args", user="root").stdout

@@ -14,7 +14,9 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from tests.sdk.sdkharness import KEEPSTATE
+from keepstate.store import LocalBackend
+from keepstate.store.lock import read_locks
+from tests.sdk.sdkharness import KEEPSTATE, wait_until
 
 from .conftest import Fleet, keepstate_env, sdk_opts, store_path
 
@@ -22,9 +24,7 @@ from .conftest import Fleet, keepstate_env, sdk_opts, store_path
 def counting(sbx: Sandbox) -> None:
     sbx.commands.run("nohup python3 -c 'import time\ni=0\nwhile True:\n  i+=1\n  open(\"/tmp/c\",\"w\").write(str(i))"
                      "\n  time.sleep(0.05)' >/dev/null 2>&1 &")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not sbx.files.exists("/tmp/c"):
-        time.sleep(0.1)
+    wait_until(lambda: sbx.files.exists("/tmp/c"), 20, "the counter in the sandbox to write /tmp/c")
 
 
 def count(sbx: Sandbox) -> int:
@@ -41,12 +41,22 @@ def ks(srv, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
+def history(srv, sandbox_id: str) -> list[dict]:
+    events = json.loads(ks(srv, "events", sandbox_id, "--json").stdout)
+    return events["events"] if isinstance(events, dict) else events
+
+
 def resumed_from(srv, sandbox_id: str) -> list[str]:
     """Where each resume of the session came from: "standby" (a thaw) or "store" (a restore)."""
-    events = json.loads(ks(srv, "events", sandbox_id, "--json").stdout)
-    if isinstance(events, dict):
-        events = events["events"]
-    return [e["data"]["from"] for e in events if e["kind"] == "sandbox.resume"]
+    return [e["data"]["from"] for e in history(srv, sandbox_id) if e["kind"] == "sandbox.resume"]
+
+
+def command_recorded(srv, sandbox_id: str, command: str) -> bool:
+    """Whether the session's history holds both the start and the exit of `command` (pulled from the journal)."""
+    events = history(srv, sandbox_id)
+    pids = {e["data"]["pid"] for e in events if e["kind"] == "process.start"
+            and e["data"].get("args", [])[-1:] == [command]}
+    return any(e["kind"] == "process.exit" and e["data"]["pid"] in pids for e in events)
 
 
 def standby_of(srv, sandbox_id: str) -> bool:
@@ -72,10 +82,7 @@ def test_sigkill_between_pause_and_resume(fleet: Fleet, standby: tuple[str, tupl
     before = count(sbx)
     sbx.pause()
     if source == "store":  # over budget: the standby is released within a moment; wait until it is gone
-        deadline = time.monotonic() + 60
-        while standby_of(srv, sbx.sandbox_id) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not standby_of(srv, sbx.sandbox_id)
+        wait_until(lambda: not standby_of(srv, sbx.sandbox_id), 60, "the standby to be released (--standby-mb 0)")
     else:
         assert standby_of(srv, sbx.sandbox_id)
     port = int(srv.url.rsplit(":", 1)[1])
@@ -87,8 +94,8 @@ def test_sigkill_between_pause_and_resume(fleet: Fleet, standby: tuple[str, tupl
     assert resumed.files.read("/home/user/f.txt") == "kept"
     paused_at = count(resumed)
     assert paused_at >= before
-    time.sleep(0.3)
-    assert count(resumed) > paused_at  # the same process, still counting
+    # the same process, still counting
+    wait_until(lambda: count(resumed) > paused_at, 30, f"the resumed counter to go on past {paused_at}")
     assert resumed_from(srv2, sbx.sandbox_id) == [source]
     resumed.kill()
 
@@ -125,8 +132,8 @@ def test_a_pause_the_store_refuses_leaves_the_sandbox_running(fleet: Fleet) -> N
         sbx.pause()
     assert Sandbox.get_info(sbx.sandbox_id, **opts).state.value == "running"
     before = count(sbx)
-    time.sleep(0.3)
-    assert count(sbx) > before  # it runs on, from where the pause froze it
+    # it runs on, from where the pause froze it
+    wait_until(lambda: count(sbx) > before, 30, f"the thawed counter to go on past {before}")
     packs.unlink()
     sbx.pause()  # the store works again: so does the pause
     assert count(Sandbox.connect(sbx.sandbox_id, **opts)) >= before
@@ -168,11 +175,20 @@ def test_sigkill_during_checkpoint_then_gc(fleet: Fleet) -> None:
     # make the next ingest take a while: 256 MiB of fresh random memory
     sbx.commands.run("python3 -c \"import os,time; b=os.urandom(256<<20); open('/tmp/ready','w').write('1'); "
                      "time.sleep(3600)\" >/dev/null 2>&1 &")
-    while not sbx.files.exists("/tmp/ready"):
-        time.sleep(0.2)
+    wait_until(lambda: sbx.files.exists("/tmp/ready"), 120, "the sandbox to hold 256 MiB of fresh memory",
+               every=0.2)
+    store = LocalBackend(store_path(srv))
+    packs_before = {o.key for o in store.list("packs/")}
     pausing = threading.Thread(target=lambda: _ignore(lambda: Sandbox.pause(sbx.sandbox_id, **opts)))
     pausing.start()
-    time.sleep(0.8)  # runsc has checkpointed; the store is ingesting
+
+    def ingesting() -> bool:
+        """runsc has checkpointed and the store is ingesting: the write holds its lock and has stored new packs."""
+        assert pausing.is_alive(), "the pause ended before the test saw it ingest: nothing left to kill it in"
+        writing = any(lock.purpose.startswith("write checkpoint") for lock in read_locks(store))
+        return writing and bool({o.key for o in store.list("packs/")} - packs_before)
+
+    wait_until(ingesting, 120, "the pause's ingest to be under way (write lock held, new packs stored)", every=0.02)
     port = int(srv.url.rsplit(":", 1)[1])
     fleet.sigkill(srv)
     pausing.join()
@@ -221,7 +237,8 @@ def test_edited_event_fails_verification(fleet: Fleet) -> None:
     srv = fleet.start()
     sbx = Sandbox.create(timeout=300, **sdk_opts(srv))
     sbx.commands.run("echo history")
-    time.sleep(1.5)  # let the journal be pulled
+    wait_until(lambda: command_recorded(srv, sbx.sandbox_id, "echo history"), 30,
+               "the server to pull the command's start and exit from the agent's journal")
     ok = ks(srv, "events", sbx.sandbox_id, "--verify")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     db = sqlite3.connect(Path(srv.home) / "sessions.sqlite")
@@ -255,6 +272,5 @@ def test_exported_checkpoint_resumes_on_another_server(fleet: Fleet, tmp_path: P
     resumed = Sandbox.connect(sbx.sandbox_id, **sdk_opts(b))
     assert resumed.files.read("/home/user/moved.txt") == "by archive"
     before = count(resumed)
-    time.sleep(0.3)
-    assert count(resumed) > before
+    wait_until(lambda: count(resumed) > before, 30, f"the imported session's counter to go on past {before}")
     resumed.kill()

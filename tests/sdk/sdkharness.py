@@ -7,13 +7,32 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
 AGENT_PORT = 49983  # E2B's envd port (keepstate.ports.AGENT_PORT), spelled out: no keepstate imports here
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], every: float = 0.1) -> T:
+    """Poll `predicate` until it returns something true and return that, or fail after `timeout` seconds with a
+    message naming `what` (a callable: asked then, to describe the state given up on). For effects that land
+    asynchronously: wait for them, never sleep a guessed time instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            described = what() if callable(what) else what
+            raise AssertionError(f"gave up after {timeout:g} s waiting for {described} (last: {value!r})")
+        time.sleep(every)
 
 
 def free_port() -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
 from e2b import AsyncSandbox, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import NotFoundException, SandboxException
+
+from sdkharness import wait_until
 
 ID = re.compile(r"^[a-z0-9]{20}$")
 
@@ -50,10 +51,8 @@ def test_kill_then_everything_says_gone(new_sandbox) -> None:
 def test_set_timeout_expires_the_sandbox(new_sandbox) -> None:
     sbx = new_sandbox()
     sbx.set_timeout(1)
-    deadline = time.monotonic() + 30
-    while sbx.is_running() and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert not sbx.is_running()
+    # the 1 s elapses while we watch for its outcome
+    wait_until(lambda: not sbx.is_running(), 30, "the sandbox to expire 1 s after set_timeout(1)", every=0.25)
 
 
 def test_set_timeout_zero_expires_now(new_sandbox) -> None:
@@ -106,12 +105,7 @@ def test_list_filters_and_pagination(new_sandbox) -> None:
 
 def test_metrics_are_real_cgroup_figures(new_sandbox) -> None:
     sbx = new_sandbox()
-    deadline = time.monotonic() + 40
-    metrics = []
-    while not metrics and time.monotonic() < deadline:
-        metrics = sbx.get_metrics()
-        time.sleep(1)
-    assert metrics, "no metrics sample within 40 s"
+    metrics = wait_until(sbx.get_metrics, 40, "a first metrics sample", every=1)
     m = metrics[-1]
     assert m.mem_used > 1024 * 1024  # a Python agent runs in there
     assert m.mem_total >= m.mem_used

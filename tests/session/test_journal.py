@@ -109,6 +109,8 @@ async def test_no_pull_runs_while_a_session_is_held(agent: tuple[FakeJournal, st
         async with poller.hold("s1"):
             before = len(journal.requests)
             pending = asyncio.create_task(poller.pull_now("s1"))
+            # Not a wait for anything: rounds (poll_once, the background poller every 0.01 s, `pending`) in which a
+            # pull that ignored the hold would show. What is checked is an absence.
             for _ in range(20):
                 await poller.poll_once()
                 await asyncio.sleep(0.01)
