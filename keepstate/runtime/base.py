@@ -85,6 +85,10 @@ class SlotTable(Protocol):
     def owner(self, slot: int) -> str | None:
         """The instance recorded for a slot, or None (free, or claimed and not yet recorded)."""
 
+    def held(self, slot: int) -> bool:
+        """Whether the slot is claimed: an instance is recorded for it, or a live process has claimed it and is
+        setting an instance up there (a claim by a process that died holds nothing)."""
+
     def release(self, slot: int) -> None: ...
 
     def orphaned(self) -> list[tuple[int, str]]:

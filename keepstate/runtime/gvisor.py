@@ -116,6 +116,9 @@ class HostSlots:
     def owner(self, slot: int) -> str | None:
         return network.slot_owner(slot)
 
+    def held(self, slot: int) -> bool:
+        return network.slot_held(slot)
+
     def release(self, slot: int) -> None:
         network.release_slot(slot)
 

@@ -119,6 +119,27 @@ def slot_owner(slot: int) -> str | None:
     return str(owner["name"]) if isinstance(owner, dict) and owner.get("name") else None
 
 
+def slot_held(slot: int) -> bool:
+    """Whether the slot is claimed: by a recorded owner, or by a process still running (a bare claim holds the
+    claimer's pid until it records the owner)."""
+    try:
+        with open(f"{SLOTS_DIR}/{slot}") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    if text.isdigit():
+        try:
+            os.kill(int(text), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return True
+
+
 def release_slot(slot: int) -> None:
     try:
         os.unlink(f"{SLOTS_DIR}/{slot}")

@@ -37,10 +37,15 @@ class Slots:
         self.table.record_owner(slot, self.home, name)
 
     def ours(self, slot: int, name: str) -> bool:
-        """Whether `name` may tear down the slot's network: it holds the slot, or nobody is recorded for it."""
+        """Whether `name` may tear down the slot's network and release it: it is recorded for the slot, or nobody
+        holds the slot. A slot another instance is recorded for, or that a live process has claimed and is setting
+        an instance up in, is not: a teardown that comes late (a kill noticed twice, a server reaping after a
+        crash) must not destroy a neighbour's network."""
         owner = self.table.owner(slot)
-        if owner is not None and name and owner != name:
-            log.warning("slot %d of %s belongs to %s now; leaving it", slot, name, owner)
+        if owner == name:
+            return True
+        if owner is not None or self.table.held(slot):
+            log.warning("slot %d of %s is held by %s now; leaving it", slot, name, owner or "a new claim")
             return False
         return True
 

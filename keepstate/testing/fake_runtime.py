@@ -96,9 +96,9 @@ class FakeSlots:
         with self._lock:
             return [(slot, name) for slot, name in self._owners.items() if name and self._homes.get(slot) == home]
 
-    def held(self) -> set[int]:
+    def held(self, slot: int) -> bool:
         with self._lock:
-            return set(self._owners)
+            return slot in self._owners
 
 
 @dataclass

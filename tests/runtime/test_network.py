@@ -84,3 +84,16 @@ def test_a_slots_link_forgets_its_last_sandboxs_connections() -> None:
         network.destroy(link)
         network.release_slot(slot)
         subprocess.run(["conntrack", "-D", "-s", other.host_ip, "-d", other.sandbox_ip], capture_output=True)
+
+
+def test_a_bare_claim_is_held_while_its_claimer_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(network, "SLOTS_DIR", str(tmp_path / "slots"))
+    assert not network.slot_held(9)  # free
+    assert network.claim_slot(9)
+    assert network.slot_held(9) and network.slot_owner(9) is None  # ours, being set up: held, not yet named
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "slots" / "9").write_text(str(dead.pid))  # claimed by a process that died before naming it
+    assert not network.slot_held(9)
+    network.record_slot_owner(9, str(tmp_path), "ks-nine")
+    assert network.slot_held(9) and network.slot_owner(9) == "ks-nine"

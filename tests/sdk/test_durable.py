@@ -93,8 +93,9 @@ def test_pause_of_a_sandbox_using_most_of_its_memory(new_sandbox) -> None:
     sbx.commands.run("python3 -c \"import hashlib,os,time; b=os.urandom(300<<20); "
                      "open('/tmp/sum','w').write(hashlib.sha256(b).hexdigest()); time.sleep(3600)\" "
                      ">/dev/null 2>&1 &")
-    wait_until(lambda: sbx.files.exists("/tmp/sum"), 120, "the sandbox to hold 300 MiB of fresh memory")
-    digest = sbx.files.read("/tmp/sum")
+    # the file exists from its open() on; its digest is there once the write is done
+    digest = wait_until(lambda: sbx.files.exists("/tmp/sum") and len(sbx.files.read("/tmp/sum")) == 64 and
+                        sbx.files.read("/tmp/sum"), 120, "the sandbox to hold 300 MiB of fresh memory")
     assert sbx.pause() is True
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert resumed.files.read("/tmp/sum") == digest
