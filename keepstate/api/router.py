@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -25,6 +27,8 @@ from keepstate.sandbox.record import SandboxRow
 
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length"}
+log = logging.getLogger("keepstate.router")
+SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 # Paths of the agent that only the host may call.
 _PRIVATE = {"/init"}
@@ -112,10 +116,19 @@ class Router:
                 headers["Content-Length"] = str(request.content_length)
             data = request.content.iter_any()
         url = f"http://{row.address}:{port}{request.rel_url}"
+        asked = time.monotonic()
         try:
             upstream_cm = client.request(request.method, url, headers=headers, data=data,
                                          allow_redirects=False, compress=None)
             upstream = await upstream_cm.__aenter__()
+        except asyncio.CancelledError:
+            # The client gave up waiting (its timeout): say how long the sandbox left it without an answer, the
+            # evidence for a stream that never got one.
+            if time.monotonic() - asked > SLOW_ANSWER:
+                log.warning("%s %s to port %d of sandbox %s: the client went away after %.1f s without the "
+                            "sandbox's answer", request.method, request.path, port, row.sandbox_id,
+                            time.monotonic() - asked)
+            raise
         except aiohttp.ClientConnectorError:
             if flight.cut or self.manager.route(row.sandbox_id) is None:
                 return not_found(row.sandbox_id)
@@ -124,6 +137,9 @@ class Router:
             # Cut before its response started (the sandbox was killed, paused or checkpointed): a JSON 502.
             return not_found(row.sandbox_id)
         flight.upstream.append(upstream)
+        if time.monotonic() - asked > SLOW_ANSWER:
+            log.warning("%s %s to port %d of sandbox %s: the sandbox answered after %.1f s", request.method,
+                        request.path, port, row.sandbox_id, time.monotonic() - asked)
         try:
             if flight.cut:
                 return not_found(row.sandbox_id)

@@ -112,10 +112,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     args = getattr(item, "funcargs", {})
     # The test's own handles, not Sandbox.connect: a connect would resume a sandbox that was paused or timed out,
-    # and show the log of the checkpoint, not of what went wrong. (An async_sandbox's handle lives on the test
-    # loop, out of reach here.)
+    # and show the log of the checkpoint, not of what went wrong.
     used = [args["sandbox"]] if "sandbox" in args else []
     used += getattr(args.get("new_sandbox"), "made", [])
+    if "async_sandbox" in args:  # its handle lives on the test loop: reach it by ID, only if it still runs
+        try:
+            sid = args["async_sandbox"].sandbox_id
+            if Sandbox.get_info(sid, request_timeout=10).state.value == "running":
+                used.append(Sandbox.connect(sid, request_timeout=10))
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: say why there is none
+            report.sections.append(("bridge log of the async sandbox", f"(cannot reach it: {exc})"))
     for sbx in used:
         try:
             text = sbx.files.read(BRIDGE_LOG, user="root", request_timeout=10)

@@ -84,7 +84,9 @@ def wait_agent(handle: Handle, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-OPEN_STATES = {"01", "02", "03", "04", "08", "09", "0B"}  # ESTABLISHED, SYN_*, FIN_WAIT1, CLOSE_WAIT, LAST_ACK, CLOSING
+# The host's side in which the sandbox's side may still be established: ESTABLISHED, SYN_SENT, SYN_RECV, FIN_WAIT1
+# (our FIN not yet acknowledged). In CLOSE_WAIT, LAST_ACK and CLOSING the sandbox has sent its FIN: closed there.
+OPEN_STATES = {"01", "02", "03", "04"}
 
 
 def _hex(address: str, port: int) -> str:
