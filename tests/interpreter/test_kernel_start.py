@@ -105,3 +105,37 @@ def test_an_execution_whose_reply_is_lost_finishes_with_its_output(sandbox: Sand
     assert "output ['42\\n']" in lines, lines
     seconds = float(lines[-1].split()[-2])
     assert 10 <= seconds < 30, lines  # finished HALF_DONE_WAIT after the idle status, not at the caller's timeout
+
+
+# The bridge's shell reader misses its wakeup (simulated: replaced by a task that never reads), as suspected of the
+# execute_replies that never reached the bridge in CI. The queued reply must still be read.
+STUCK_READER = '''
+import asyncio, os
+from pathlib import Path
+from keepstate.agent.interpreter.kernel import Kernel, LaunchSpec
+from keepstate.agent.interpreter.output import ExecutionOutput
+
+async def main():
+    runtime = Path("%(root)s/run")
+    runtime.mkdir(exist_ok=True)
+    kernel = Kernel("python3", LaunchSpec(runtime_dir=runtime, cwd="/tmp", user=None, env=dict(os.environ)))
+    await asyncio.wait_for(kernel.start(), 60)
+    kernel._readers[1].cancel()
+    kernel._readers[1] = asyncio.create_task(asyncio.sleep(3600))
+    output = ExecutionOutput()
+    lines = [line async for line in kernel._execute_once("print(6 * 7)", output)]
+    print("reply", output.reply is not None and output.reply.get("status"))
+    print("output", [line.get("text") for line in lines if line.get("type") == "stdout"])
+    await kernel.shutdown()
+
+asyncio.run(main())
+''' % {"root": ROOT}
+
+
+def test_a_reader_that_missed_its_wakeup_is_restarted(sandbox: Sandbox) -> None:
+    sandbox.files.write(f"{ROOT}/stuck.py", STUCK_READER)
+    result = sandbox.commands.run(f"python3 {ROOT}/stuck.py", user="root", timeout=150,
+                                  envs={"PYTHONPATH": "/opt/keepstate/lib:/opt/keepstate/site"})
+    lines = result.stdout.splitlines()
+    assert "reply ok" in lines, lines  # without the restart: idle, no reply, finished HALF_DONE_WAIT later
+    assert "output ['42\\n']" in lines, lines

@@ -76,6 +76,7 @@ class Kernel:
         self._km: _Manager | None = None
         self._kc: Any = None
         self._readers: list[asyncio.Task[None]] = []
+        self._waiting: dict[str, bool] = {}  # by channel: a message was waiting at the last _unstick
         self._waiters: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         # Bumped by every restart, so an execution waiting on the old process stops waiting.
         self.generation = 0
@@ -96,10 +97,7 @@ class Kernel:
                 raise KernelError(f"cannot start kernel '{self.kernel_name}': {exc}") from exc
             self._kc = self._km.client()
             self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
-            self._readers = [
-                asyncio.create_task(self._read(self._kc.iopub_channel), name=f"{self.kernel_name}-iopub"),
-                asyncio.create_task(self._read(self._kc.shell_channel), name=f"{self.kernel_name}-shell"),
-            ]
+            self._readers = [self._reader("iopub"), self._reader("shell")]
             await self._wait_ready()
         except BaseException:
             # Failed or cancelled (bridge stopping) half-way: leave no orphan kernel process behind.
@@ -135,6 +133,36 @@ class Kernel:
         return self._km is not None and bool(await self._km.is_alive())
 
     # -- messaging -----------------------------------------------------------------------------
+
+    def _reader(self, name: str) -> asyncio.Task[None]:
+        channel = getattr(self._kc, f"{name}_channel")
+        return asyncio.create_task(self._read(channel), name=f"{self.kernel_name}-{name}")
+
+    async def _unstick(self) -> None:
+        """Restart a channel's reader if a message waits on its socket that the reader has not taken.
+
+        A reader blocks in zmq.asyncio's poll until the socket's file descriptor signals; a wakeup that is missed
+        leaves it blocked with messages queued (suspected behind two hangs seen in CI: a kernel that 'did not
+        answer' its start-up request for 180 s, and an execute_reply that never reached the shell reader). Asked
+        once a second while a start-up or an execution waits; a message seen waiting twice in a row (a second
+        apart: a reader that works takes one within milliseconds) means the reader is stuck in its poll, where
+        cancelling it loses nothing. A missed wakeup then costs two seconds, and is logged.
+        """
+        if self._kc is None:
+            return
+        for i, name in enumerate(("iopub", "shell")):
+            channel = getattr(self._kc, f"{name}_channel")
+            try:
+                waiting = bool(await channel.socket.poll(timeout=0))
+            except Exception:  # a closed socket: the kernel is going away, nothing to unstick
+                return
+            seen_before, self._waiting[name] = self._waiting.get(name, False), waiting
+            if waiting and seen_before:
+                self._waiting[name] = False
+                log.warning("kernel '%s': a message waits on its %s channel that the reader has not taken; "
+                            "restarting the reader", self.kernel_name, name)
+                self._readers[i].cancel()
+                self._readers[i] = self._reader(name)
 
     async def _read(self, channel: Any) -> None:
         while True:
@@ -180,6 +208,7 @@ class Kernel:
                         return
                 if self._km is not None and not await self._km.is_alive():
                     raise KernelError(f"kernel '{self.kernel_name}' exited during start-up")
+                await self._unstick()
         finally:
             for msg_id in sent:
                 self._waiters.pop(msg_id, None)
@@ -215,6 +244,7 @@ class Kernel:
                         raise KernelError(f"kernel '{self.kernel_name}' was restarted during execution") from None
                     if not await self.is_alive():
                         raise KernelError(f"kernel '{self.kernel_name}' died during execution") from None
+                    await self._unstick()
                     if (output.idle or output.reply is not None) and half_done_since is None:
                         half_done_since = time.monotonic()
                     elif half_done_since is not None and time.monotonic() - half_done_since > HALF_DONE_WAIT:
