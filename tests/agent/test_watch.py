@@ -47,8 +47,12 @@ def test_watch_rename_and_chmod_with_entry(sandbox, home_dir) -> None:
         pytest.skip("this SDK has no include_entry")
     sandbox.files.write(f"{home_dir}/a.txt", "a")
     handle = sandbox.files.watch_dir(home_dir, include_entry=True)
-    sandbox.commands.run(f"chmod 600 {home_dir}/a.txt && mv {home_dir}/a.txt {home_dir}/b.txt")
+    # The entry is what the path holds when the event is delivered: the chmod's is read before the file moves
+    # (one command doing both raced the move, and the chmod's entry was sometimes gone).
+    sandbox.commands.run(f"chmod 600 {home_dir}/a.txt")
     events = []
+    assert eventually(lambda: bool(events.extend(handle.get_new_events()) or len(events) >= 1))
+    sandbox.commands.run(f"mv {home_dir}/a.txt {home_dir}/b.txt")
     assert eventually(lambda: bool(events.extend(handle.get_new_events()) or len(events) >= 3))
     kinds = [(e.name, e.type) for e in events]
     assert kinds[:3] == [("a.txt", FilesystemEventType.CHMOD), ("a.txt", FilesystemEventType.RENAME),
