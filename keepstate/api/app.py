@@ -87,6 +87,24 @@ class KeyCache:
         return hit[1]
 
 
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error a REST handler raises, as the one JSON shape {"code", "message"} (a redirect passes)."""
+    try:
+        return await handler(request)
+    except KeepStateError as exc:
+        return control.error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 names the methods
+        return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status, headers=allow)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
+                                 status=500, headers={"Should-Retry": "false"})
+
+
 def runtime_for(config: ServerConfig) -> tuple[Runtime, Templates]:
     if config.runtime == "fake":
         from keepstate.testing import FakeRuntime, FakeTemplates
@@ -139,21 +157,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             if row is None:
                 return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
             return await router.handle(request, row.sandbox_id, AGENT_PORT)
-        try:
-            if request.path != "/health":
+        if request.path != "/health":
+            try:
                 request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))
-            return await handler(request)
-        except KeepStateError as exc:
-            return control.error_response(exc)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 names the methods
-            return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status, headers=allow)
-        except Exception as exc:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
-                                     status=500, headers={"Should-Retry": "false"})
+            except KeepStateError as exc:
+                return control.error_response(exc)
+        return await errors_as_json(request, handler)
 
     # Outermost: with KEEPSTATE_VALIDATE_RESPONSES=1 every control-plane answer, errors included, is checked
     # against docs/openapi.yaml (tests run the server so).

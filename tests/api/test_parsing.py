@@ -13,9 +13,10 @@ import yarl
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from keepstate.api import app as app_module
 from keepstate.api import control, events, schemas, spec
 from keepstate.api.keys import ENVD_VERSION, MANAGER
-from keepstate.errors import BadRequest, KeepStateError, NotFound
+from keepstate.errors import BadRequest, NotFound
 from keepstate.session import EventLog, Lineage, SessionDB
 
 BAD_BODIES = [
@@ -227,20 +228,7 @@ class StubManager:
         return call
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """What app.py's dispatch does with errors (a 500 here is a test failure)."""
-    try:
-        return await handler(request)
-    except KeepStateError as exc:
-        return control.error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status)
-    except Exception as exc:
-        return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
-                                 status=500, headers={"Should-Retry": "false"})
+errors_as_json = app_module.errors_as_json  # what the server itself does with errors (a 500 here fails the test)
 
 
 @pytest.fixture(scope="module")
