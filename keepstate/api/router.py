@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import re
+import subprocess
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -29,6 +32,7 @@ _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
         "transfer-encoding", "upgrade", "host", "content-length"}
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
+CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 # Paths of the agent that only the host may call.
 _PRIVATE = {"/init"}
@@ -42,6 +46,17 @@ def not_found(sandbox_id: str) -> web.Response:
 def port_closed(sandbox_id: str, port: int) -> web.Response:
     return web.json_response({"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open",
                               "port": port, "code": 502}, status=502)
+
+
+def tcp_state(address: str, port: int) -> str:
+    """The host's view of its TCP connections to a sandbox's port (`ss -tin`: queues, retransmits), for the log
+    line about a stalled request. Called only then; it blocks for the few milliseconds `ss` takes."""
+    try:
+        out = subprocess.run(["ss", "-tinH", "dst", f"{address}:{port}"], capture_output=True, text=True,
+                             timeout=2).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(ss failed: {e})"
+    return " | ".join(" ".join(line.split()) for line in out.splitlines()) or "(no connection)"
 
 
 def target_of(request: web.Request) -> tuple[str, int] | None:
@@ -105,7 +120,28 @@ class Router:
             if request.headers.get("Upgrade", "").lower() == "websocket":
                 flight.started = True  # a cut WebSocket is closed, never answered
                 return await self._websocket(request, row, port)
-            return await self._http(request, row, port, flight)
+            return await self._while_client_stays(request, self._http(request, row, port, flight))
+
+    async def _while_client_stays(self, request: web.Request,
+                                  relay: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Relay until the relay ends or the client goes away. The server does not cancel a handler whose client
+        disconnected (a lifecycle call must run to its end), but a relay must not outlive its client: the
+        sandbox would stream on to nobody, and a stream the SDK gave up on would end without a word. Cancelled,
+        the relay closes its upstream (the sandbox sees the disconnect, as a client's own would be seen) and says
+        in the log where a silent stream stalled."""
+        task = asyncio.ensure_future(relay)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK)
+                if done:
+                    return task.result()
+                if request.transport is None or request.transport.is_closing():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        return await task
+                    return web.Response(status=499)  # nobody reads it: the client is gone
+        finally:
+            task.cancel()
 
     async def _http(self, request: web.Request, row: SandboxRow, port: int, flight: InFlight) -> web.StreamResponse:
         client = self.agents.proxy_session(row.sandbox_id)
@@ -126,8 +162,8 @@ class Router:
             # evidence for a stream that never got one.
             if time.monotonic() - asked > SLOW_ANSWER:
                 log.warning("%s %s to port %d of sandbox %s: the client went away after %.1f s without the "
-                            "sandbox's answer", request.method, request.path, port, row.sandbox_id,
-                            time.monotonic() - asked)
+                            "sandbox's answer; tcp: %s", request.method, request.path, port, row.sandbox_id,
+                            time.monotonic() - asked, tcp_state(row.address, port))
             raise
         except aiohttp.ClientConnectorError:
             if flight.cut or self.manager.route(row.sandbox_id) is None:
@@ -151,9 +187,20 @@ class Router:
                 resp.content_length = int(upstream.headers["Content-Length"])
             flight.started = True
             await resp.prepare(request)
+            streamed, last = 0, time.monotonic()
             try:
                 async for chunk in upstream.content.iter_any():
+                    streamed, last = streamed + len(chunk), time.monotonic()
                     await resp.write(chunk)
+            except (asyncio.CancelledError, ConnectionResetError):
+                # The client went away mid-stream. After a long silence from the sandbox, that is the evidence
+                # for a stream that stalled: say where its bytes were (the host's TCP view of the connection).
+                if time.monotonic() - last > SLOW_ANSWER:
+                    log.warning("%s %s to port %d of sandbox %s: the client went away %.1f s into the stream, "
+                                "%.1f s after the sandbox's last bytes (%d streamed); tcp: %s", request.method,
+                                request.path, port, row.sandbox_id, time.monotonic() - asked,
+                                time.monotonic() - last, streamed, tcp_state(row.address, port))
+                raise
             except (TimeoutError, aiohttp.ClientError):
                 # The sandbox went away mid-stream: end the client's connection uncleanly so the
                 # SDK sees an interrupted stream, not a stream that ended normally.

@@ -13,6 +13,7 @@ would refuse to start (docs: shared host-notes).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from keepstate.ports import AGENT_PORT
 
 from . import network
 from .base import Endpoint, Handle, RuntimeFailure, SandboxSpec, host_cpu_flags
+
+log = logging.getLogger("keepstate.runtime")
 
 __all__ = ["GVisorRuntime", "HostSlots", "host_cpu_flags", "runsc_release", "have_runsc", "oci_spec"]
 
@@ -220,6 +223,9 @@ class GVisorRuntime:
             args.append("--leave-running")
         proc = self._runsc(*args, handle.name, timeout=600)
         if proc.returncode != 0:
+            # The whole of what runsc said (a state-encoding panic names the object under its stack) goes
+            # to the log and beside the sandbox: the error itself carries only the gist.
+            log.warning("runsc checkpoint of %s failed (%d):\n%s", handle.name, proc.returncode, proc.stderr)
             raise RuntimeFailure(f"runsc checkpoint of {handle.name} failed ({proc.returncode}): "
                                  f"{_gist(proc.stderr)}")
 
@@ -296,12 +302,16 @@ def have_runsc() -> bool:
 
 
 def _gist(text: str, limit: int = 800) -> str:
-    """What runsc said, shortened: for a Go panic its message (the stack under it names only runsc's
-    internals), else the last `limit` characters."""
+    """What runsc said, shortened: for a Go panic its message and the frames that raised it (for a state-encoding
+    panic they name the kernel object being saved), else the last `limit` characters."""
     text = text.strip()
     cut = text.find("\ngoroutine ")
     if cut > 0:
-        text = text[:cut].strip()
-        return text[:limit]
+        head, stack = text[:cut].strip(), text[cut:].splitlines()
+        frames = [line.split("(0x")[0].split("({")[0] for line in stack if line and not line[0].isspace()]
+        raised = next((i for i, f in enumerate(frames) if f.startswith("panic")), None)
+        if raised is not None and frames[raised + 1:]:
+            head += " at " + " < ".join(frames[raised + 1:raised + 4])
+        return head[:limit]
     return text[-limit:]
 

@@ -216,6 +216,36 @@ async def test_a_request_cut_by_a_kill_before_its_answer_gets_the_routers_json_5
     assert name not in fake(s).names()
 
 
+async def test_a_client_that_goes_away_ends_its_relay_and_says_how_long_it_waited(
+        served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The server does not cancel the handler of a client that disconnected; the router must notice on its own,
+    or a request into a sandbox that never answers is held open to nobody, and the evidence of the stall is lost."""
+    from keepstate.api import router
+
+    monkeypatch.setattr(router, "SLOW_ANSWER", 0.2)
+    monkeypatch.setattr(router, "CLIENT_CHECK", 0.05)
+    s = served
+    sid, token = await create(s)
+    s.runtime.freeze(handle_of(s.manager.records[sid]))  # its agent answers nothing now: the request hangs
+    host, port = s.url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(f"GET /files?path=/etc/hostname HTTP/1.1\r\nHost: {host}\r\nE2b-Sandbox-Id: {sid}\r\n"
+                 f"X-Access-Token: {token}\r\n\r\n".encode())
+    while not any(s.manager.agents._inflight.get(sid, ())):  # noqa: SLF001 - wait until it is in flight
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.3)  # past SLOW_ANSWER: what is measured here is a wait this long
+    conn.close()
+    deadline = time.monotonic() + 10
+    while any(s.manager.agents._inflight.get(sid, ())):  # noqa: SLF001
+        assert time.monotonic() < deadline, "the relay outlived its client"
+        await asyncio.sleep(0.01)
+    said = [r.getMessage() for r in caplog.records if r.name == "keepstate.router"]
+    assert any(f"of sandbox {sid}: the client went away after" in m and "without the sandbox's answer" in m
+               and "tcp: " in m for m in said), said
+    s.runtime.thaw(handle_of(s.manager.records[sid]))
+    assert (await s.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
+
+
 async def test_a_new_server_reaps_instances_no_row_knows() -> None:
     """A crash between a restore and the write of its row (a resume, a fork) leaves an instance only the slot
     table names; the next server of that data directory reaps it, and leaves other servers' instances alone."""
