@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
@@ -99,8 +100,15 @@ def validate_metadata(metadata: dict[str, str]) -> None:
 
 
 def replace_metadata(fd: int, metadata: dict[str, str]) -> None:
-    """Each upload replaces the whole metadata set of the file."""
-    for name in os.listxattr(fd):
+    """Each upload replaces the whole metadata set of the file, as with E2B: keys the upload does not name are
+    removed, so an upload without metadata leaves the file with none."""
+    try:
+        names = os.listxattr(fd)
+    except OSError as e:
+        if metadata or e.errno != errno.ENOTSUP:
+            raise
+        return  # a filesystem without xattrs holds no metadata to clear
+    for name in names:
         if name.startswith(XATTR_PREFIX) and name[len(XATTR_PREFIX) :] not in metadata:
             os.removexattr(fd, name)
     for key, value in metadata.items():

@@ -167,8 +167,7 @@ class FileWriter:
     def close(self) -> dict[str, Any]:
         try:
             self._flush()
-            if self._metadata:
-                replace_metadata(self._fd, self._metadata)
+            replace_metadata(self._fd, self._metadata)  # also when empty: a rewrite clears what was there
         except OSError as e:
             raise _write_error(e, self.path) from None
         finally:

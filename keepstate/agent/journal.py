@@ -2,7 +2,8 @@
 
 The host polls it (`GET /journal?after=<seq>&limit=<n>`) to build the session's causal history. It lives only in the
 agent's memory on purpose: a checkpoint of the sandbox carries it, so a restored or forked sandbox continues the same
-sequence. Entries: `process.start`, `process.exit`, `file.write`, `file.remove`, `file.move`, `dir.make`.
+sequence. Entries: `process.start`, `process.output` (the first lines, bounded), `process.exit`, `file.write`,
+`file.remove`, `file.move`, `dir.make`.
 """
 
 from __future__ import annotations

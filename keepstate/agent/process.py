@@ -32,6 +32,8 @@ RETAIN_EXITED_S = 30.0
 # stdout would otherwise hold the stream open forever (envd behaves the same way from the caller's view).
 DRAIN_GRACE_S = 0.2
 READ_CHUNK = 65536
+OUTPUT_ENTRIES = 20  # process.output journal entries per process (then one `truncated`)
+OUTPUT_BYTES = 4096  # characters of output journaled per process
 
 _GO_SIGNAL_NAMES: dict[int, str] = {
     signal.SIGHUP: "hangup", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGILL: "illegal instruction",
@@ -204,9 +206,11 @@ class ManagedProcess:
         self._exit: ExitInfo | None = None
         self._end: ProcessEvent | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self.expired = False  # killed because the deadline of the Start request that made it passed
         self._grace: asyncio.TimerHandle | None = None
         self.ended = asyncio.Event()
         self.on_end: Callable[[ManagedProcess], None] | None = None  # before any stream sees the end event
+        self.on_output: Callable[[str, bytes], None] | None = None  # each chunk read, with its stream's name
         self._popen = self._spawn()
         self.pid = self._popen.pid
 
@@ -259,12 +263,15 @@ class ManagedProcess:
         self._add_reader(master, "pty")
         return popen
 
-    def start(self, reaper: ChildReaper, lifetime_s: float | None) -> None:
+    def start(self, reaper: ChildReaper, deadline: float | None) -> None:
+        """`deadline` (event-loop time) is that of the Start request: envd kills the process when it passes, even
+        when the client has gone away (its process context has the request's timeout, not its cancellation)."""
         reaper.watch(self.pid, self._on_exit)
-        if lifetime_s is not None and lifetime_s > 0:
-            self._deadline = self._loop.call_later(lifetime_s, self._kill_quietly)
+        if deadline is not None:
+            self._deadline = self._loop.call_at(deadline, self._expire)
 
-    def _kill_quietly(self) -> None:
+    def _expire(self) -> None:
+        self.expired = True
         self.signal(signal.SIGKILL)
 
     def _on_exit(self, wait_status: int) -> None:
@@ -327,7 +334,7 @@ class ManagedProcess:
         if data is None:
             return
         if data:
-            self._broadcast(data_event(self._readers[fd], data))
+            self._output(self._readers[fd], data)
             return
         self._close_reader(fd)
         if not self._readers and self._exit is not None:
@@ -338,7 +345,12 @@ class ManagedProcess:
             data = self._read_once(fd)
             if not data:
                 return
-            self._broadcast(data_event(self._readers[fd], data))
+            self._output(self._readers[fd], data)
+
+    def _output(self, kind: str, data: bytes) -> None:
+        if self.on_output is not None:
+            self.on_output(kind, data)
+        self._broadcast(data_event(kind, data))
 
     def _broadcast(self, event: ProcessEvent | None) -> None:
         for queue in self._subscribers:
@@ -436,6 +448,31 @@ async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> N
         view = view[n:]
 
 
+class OutputJournal:
+    """The first lines a process prints, into the journal as `process.output` entries (the sandbox's logs show
+    them): at most OUTPUT_ENTRIES entries and OUTPUT_BYTES of text per process, then one `truncated` entry. Bounded
+    so that a chatty process cannot push the journal's other entries out before the host pulls them. A chunk is
+    split at line ends; a line split across two reads becomes two entries."""
+
+    def __init__(self, journal: Journal, pid: int) -> None:
+        self._journal, self._pid = journal, pid
+        self._entries, self._bytes, self._done = 0, 0, False
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        if self._done:
+            return
+        for line in data.decode("utf-8", errors="replace").splitlines():
+            if not line.strip():
+                continue
+            if self._entries >= OUTPUT_ENTRIES or self._bytes >= OUTPUT_BYTES:
+                self._journal.append("process.output", {"pid": self._pid, "truncated": True})
+                self._done = True
+                return
+            text = line[:OUTPUT_BYTES - self._bytes]
+            self._journal.append("process.output", {"pid": self._pid, "stream": stream, "text": text})
+            self._entries, self._bytes = self._entries + 1, self._bytes + len(text)
+
+
 class ProcessTable:
     """Every process started through the API, by pid and by tag."""
 
@@ -445,7 +482,7 @@ class ProcessTable:
         self._journal = journal or Journal()
         self._forgetting: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
 
-    def start(self, spec: SpawnSpec, lifetime_s: float | None) -> ManagedProcess:
+    def start(self, spec: SpawnSpec, deadline: float | None) -> ManagedProcess:
         loop = asyncio.get_running_loop()
         self._reaper.install(loop)
         if spec.tag is not None and any(p.tag == spec.tag and p.running for p in self._by_pid.values()):
@@ -457,7 +494,8 @@ class ProcessTable:
             "tag": spec.tag, "pty": spec.pty_size is not None,
         })
         proc.on_end = self._journal_exit
-        proc.start(self._reaper, lifetime_s)
+        proc.on_output = OutputJournal(self._journal, proc.pid)
+        proc.start(self._reaper, deadline)
         task = loop.create_task(self._forget_later(proc))
         self._forgetting.add(task)
         task.add_done_callback(self._forgetting.discard)

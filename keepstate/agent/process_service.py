@@ -44,7 +44,13 @@ from keepstate.agent.proto.process.process_pb import (
     UpdateRequest,
     UpdateResponse,
 )
-from keepstate.agent.rpc_context import deadline_s, keepalive_interval, request_path, request_user
+from keepstate.agent.rpc_context import (
+    deadline_at,
+    deadline_exceeded,
+    keepalive_interval,
+    request_path,
+    request_user,
+)
 from keepstate.agent.settings import SandboxSettings
 from keepstate.agent.users import process_env
 
@@ -59,19 +65,36 @@ def _connect_error(e: ProcessError) -> ConnectError:
 
 
 async def _event_stream(
-    proc: ManagedProcess, queue: asyncio.Queue[ProcessEvent | None], keepalive_s: float
+    proc: ManagedProcess, queue: asyncio.Queue[ProcessEvent | None], keepalive_s: float, deadline: float | None,
+    kills: bool = False,
 ) -> AsyncIterator[ProcessEvent]:
-    """start first, then live events; a keepalive whenever `keepalive_s` pass without one."""
+    """start first, then live events; a keepalive whenever `keepalive_s` pass without one.
+
+    At `deadline` (event-loop time, from the request's Connect-Timeout-Ms) the stream ends with deadline_exceeded,
+    as envd's do (connect-go ends a stream so when its handler's context expires). The SDK counts on it: its async
+    client stops enforcing the deadline itself once the stream is open. `kills` says the deadline is also the
+    process's (Start): the process is SIGKILLed then, and nothing that comes after that kill (its end event above
+    all) is sent instead, whichever of the two timers the loop happens to run first."""
+    loop = asyncio.get_running_loop()
     try:
         yield start_event(proc.pid)
         while True:
+            wait = keepalive_s
+            if deadline is not None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise deadline_exceeded()
+                wait = min(wait, left)
             try:
-                event = await asyncio.wait_for(queue.get(), keepalive_s)
+                event = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
-                yield KEEPALIVE_EVENT
-                continue
+                if wait == keepalive_s:
+                    yield KEEPALIVE_EVENT
+                continue  # else the deadline: checked above, against the clock
             if event is None:
                 return
+            if kills and proc.expired:
+                raise deadline_exceeded()
             yield event
     finally:
         proc.unsubscribe(queue)  # a disconnected client just stops listening; the process runs on
@@ -96,7 +119,7 @@ class ProcessService(Process):
         except ProcessError as e:
             raise _connect_error(e) from None
 
-    def _spawn(self, request: StartRequest, ctx: Any) -> ManagedProcess:
+    def _spawn(self, request: StartRequest, ctx: Any, deadline: float | None) -> ManagedProcess:
         config = request.process or ProcessConfig()
         if not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
@@ -126,20 +149,23 @@ class ProcessService(Process):
             config=config,
         )
         try:
-            return self._table.start(spec, deadline_s(ctx))
+            return self._table.start(spec, deadline)
         except ProcessError as e:
             raise _connect_error(e) from None
 
     async def start(self, request: StartRequest, ctx: Any) -> AsyncIterator[StartResponse]:
-        proc = self._spawn(request, ctx)
+        deadline = deadline_at(ctx, asyncio.get_running_loop().time())
+        proc = self._spawn(request, ctx, deadline)
         queue = proc.subscribe()
-        async for event in _event_stream(proc, queue, keepalive_interval(ctx)):
+        async for event in _event_stream(proc, queue, keepalive_interval(ctx), deadline, kills=True):
             yield StartResponse(event=event)
 
     async def connect(self, request: ConnectRequest, ctx: Any) -> AsyncIterator[ConnectResponse]:
+        # This stream's deadline is its own: when it passes the stream ends, the process runs on (as with envd).
+        deadline = deadline_at(ctx, asyncio.get_running_loop().time())
         proc = self._find(request.process)
         queue = proc.subscribe()
-        async for event in _event_stream(proc, queue, keepalive_interval(ctx)):
+        async for event in _event_stream(proc, queue, keepalive_interval(ctx), deadline):
             yield ConnectResponse(event=event)
 
     async def list(self, request: ListRequest, ctx: Any) -> ListResponse:

@@ -38,7 +38,16 @@ def keepalive_interval(ctx: Any) -> float:
     return value if value > 0 else DEFAULT_KEEPALIVE_S
 
 
-def deadline_s(ctx: Any) -> float | None:
-    """Seconds left of the caller's Connect-Timeout-Ms, or None when it sent none."""
-    remaining = ctx.timeout_ms
-    return None if remaining is None else max(remaining, 0.0) / 1000.0
+def deadline_at(ctx: Any, now: float) -> float | None:
+    """When the caller's Connect-Timeout-Ms runs out, on the clock `now` was read from (the event loop's); None
+    when it set no deadline. `Connect-Timeout-Ms: 0` is no deadline either, as in envd ("zero timeout means no
+    timeout"); the SDK sends no header for `timeout=0`."""
+    remaining = ctx.timeout_ms  # counted from the request's arrival
+    if remaining is None or (ctx.request_headers.get("connect-timeout-ms") or "").strip() in ("", "0"):
+        return None
+    return now + max(remaining, 0.0) / 1000.0
+
+
+def deadline_exceeded() -> ConnectError:
+    """How a stream ends when its deadline passes: what connect-go's handlers (envd's) end it with."""
+    return ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")

@@ -27,7 +27,8 @@ from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
 
-from . import control, events
+from . import control, events, logs
+from . import templates as template_routes
 from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER
 from .router import Router, target_of
 from .spec import validating_middleware
@@ -175,6 +176,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
     app.add_routes(events.routes)
+    app.add_routes(logs.routes)
+    app.add_routes(template_routes.routes)
 
     gateway_runner: list[web.AppRunner] = []
 

@@ -16,6 +16,9 @@ from . import schemas
 from .keys import API_KEY_ID, ENVD_VERSION, MANAGER
 
 routes = web.RouteTableDef()
+MAX_METRICS_IDS = 100
+# `/sandboxes/metrics` is a route of its own, not a sandbox's ID (or its 405s would advertise DELETE).
+ONE_SANDBOX = r"/sandboxes/{sandbox_id:(?!metrics$)[^\x2f]+}"
 
 
 def manager(request: web.Request) -> SandboxManager:
@@ -75,9 +78,7 @@ async def connect(request: web.Request) -> web.Response:
     if isinstance(body, dict) and body.get("memory", True) is not True:
         if body.get("memory") is not False:
             raise BadRequest("`memory` must be a boolean")
-        manager(request).get(sid(request))  # an unknown sandbox is still a 404
-        raise Unsupported("a resume without memory (on_resume=\"reboot\": a cold boot from the filesystem) is not "
-                          "supported by the gVisor runtime: the root filesystem lives in the sandbox's memory")
+        refuse_cold_resume(request)
     try:
         row, resumed = await manager(request).connect(sid(request), timeout)
     except NotFound:
@@ -85,13 +86,50 @@ async def connect(request: web.Request) -> web.Response:
     return web.json_response(schemas.sandbox(row, envd_version(request)), status=201 if resumed else 200)
 
 
-@routes.get("/sandboxes/{sandbox_id}")
+@routes.get("/sandboxes/metrics")
+async def metrics_of_many(request: web.Request) -> web.Response:
+    """The latest metrics sample of each named sandbox that has one: `?sandbox_ids=a,b` (at most 100)."""
+    raw = request.query.get("sandbox_ids", "")
+    ids = list(dict.fromkeys(i.strip() for i in raw.split(",") if i.strip()))
+    if not ids:
+        raise BadRequest("query parameter `sandbox_ids` (comma-separated sandbox IDs) is required")
+    if len(ids) > MAX_METRICS_IDS:
+        raise BadRequest(f"query parameter `sandbox_ids` names at most {MAX_METRICS_IDS} sandboxes")
+    return web.json_response({"sandboxes": manager(request).latest_metrics(ids)})
+
+
+def refuse_cold_resume(request: web.Request) -> None:
+    manager(request).get(sid(request))  # an unknown sandbox is still a 404
+    raise Unsupported("a resume without memory (on_resume=\"reboot\": a cold boot from the filesystem) is not "
+                      "supported by the gVisor runtime: the root filesystem lives in the sandbox's memory")
+
+
+@routes.post("/sandboxes/{sandbox_id}/resume")
+async def resume(request: web.Request) -> web.Response:
+    """E2B's older resume: a paused sandbox only (a running one is a 409, unlike connect)."""
+    timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request))
+    if not memory:
+        refuse_cold_resume(request)
+    try:
+        row = await manager(request).resume(sid(request), timeout, auto_pause)
+    except NotFound:
+        raise NotFound(f"Paused sandbox {sid(request)} not found") from None
+    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201)
+
+
+@routes.post("/sandboxes/{sandbox_id}/refreshes")
+async def refresh(request: web.Request) -> web.Response:
+    await manager(request).refresh(sid(request), schemas.parse_refresh_body(await object_body(request)))
+    return web.Response(status=204)
+
+
+@routes.get(ONE_SANDBOX)
 async def get_info(request: web.Request) -> web.Response:
     row = manager(request).get(sid(request))
     return web.json_response(schemas.detail(row, envd_version(request)))
 
 
-@routes.delete("/sandboxes/{sandbox_id}")
+@routes.delete(ONE_SANDBOX)
 async def kill(request: web.Request) -> web.Response:
     await manager(request).kill(sid(request))
     return web.Response(status=204)
@@ -191,9 +229,15 @@ async def delete_snapshot(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+@routes.post("/v2/sandboxes/{sandbox_id}/fork")
 @routes.post("/sandboxes/{sandbox_id}/fork")
 async def fork(request: web.Request) -> web.Response:
-    count, timeout = schemas.parse_fork_body(await object_body(request))
+    body = await object_body(request)
+    count, timeout = schemas.parse_fork_body(body)
+    if not schemas.parse_fork_memory(body):
+        manager(request).get(sid(request))  # an unknown sandbox is still a 404
+        raise Unsupported("forks without memory (cold boots from the files) are not supported by the gVisor runtime: "
+                          "the root filesystem lives in the sandbox's memory")
     results = await manager(request).fork(sid(request), count, timeout)
     out = []
     for r in results:

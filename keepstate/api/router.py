@@ -192,7 +192,7 @@ class Router:
                 async for chunk in upstream.content.iter_any():
                     streamed, last = streamed + len(chunk), time.monotonic()
                     await resp.write(chunk)
-            except (asyncio.CancelledError, ConnectionResetError):
+            except (asyncio.CancelledError, ConnectionResetError) as gone:
                 # The client went away mid-stream. After a long silence from the sandbox, that is the evidence
                 # for a stream that stalled: say where its bytes were (the host's TCP view of the connection).
                 if time.monotonic() - last > SLOW_ANSWER:
@@ -200,7 +200,9 @@ class Router:
                                 "%.1f s after the sandbox's last bytes (%d streamed); tcp: %s", request.method,
                                 request.path, port, row.sandbox_id, time.monotonic() - asked,
                                 time.monotonic() - last, streamed, tcp_state(row.address, port))
-                raise
+                if isinstance(gone, asyncio.CancelledError):
+                    raise
+                return resp  # a write to a client that has gone: nobody to answer
             except (TimeoutError, aiohttp.ClientError):
                 # The sandbox went away mid-stream: end the client's connection uncleanly so the
                 # SDK sees an interrupted stream, not a stream that ended normally.

@@ -219,6 +219,41 @@ def parse_fork_body(body: dict[str, Any]) -> tuple[int, int]:
     return count, parse_timeout_body(body, required=False)
 
 
+def parse_fork_memory(body: dict[str, Any]) -> bool:
+    """`memory` of a fork (v2): whether the forks start from memory (default) or cold from the files."""
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    return memory
+
+
+REFRESH_DEFAULT = 15  # seconds, E2B's
+REFRESH_MAX = 3600
+
+
+def parse_refresh_body(body: dict[str, Any]) -> int:
+    """`{"duration"?: 0..3600}` of a refresh: seconds to keep the sandbox alive from now (default 15)."""
+    duration = body.get("duration", REFRESH_DEFAULT)
+    if isinstance(duration, float) and math.isfinite(duration) and duration == int(duration):
+        duration = int(duration)
+    if isinstance(duration, bool) or not isinstance(duration, int) or not 0 <= duration <= REFRESH_MAX:
+        raise BadRequest(f"`duration` must be a whole number of seconds from 0 to {REFRESH_MAX}")
+    return duration
+
+
+def parse_resume_body(body: dict[str, Any]) -> tuple[int, bool | None, bool]:
+    """`{"timeout"?: seconds (15), "autoPause"?: bool, "memory"?: bool}` of E2B's older resume:
+    (timeout, auto_pause or None when absent, memory)."""
+    timeout = parse_timeout_body(body, required=False) if "timeout" in body else REFRESH_DEFAULT
+    auto_pause = body.get("autoPause")
+    if auto_pause is not None and not isinstance(auto_pause, bool):
+        raise BadRequest("`autoPause` must be a boolean")
+    memory = body.get("memory", True)
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
+    return timeout, auto_pause, memory
+
+
 def sandbox(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     return {
         "templateID": row.template_id, "sandboxID": row.sandbox_id, "alias": row.template_id,

@@ -178,6 +178,15 @@ class SandboxManager:
         return [s for s in self.metrics.get(sandbox_id, ())
                 if (start is None or s["timestampUnix"] >= start) and (end is None or s["timestampUnix"] <= end)]
 
+    def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest sample of each of these sandboxes that is listed and has one; the others are left out."""
+        out: dict[str, dict[str, Any]] = {}
+        for sandbox_id in sandbox_ids:
+            row, samples = self.records.get(sandbox_id), self.metrics.get(sandbox_id)
+            if row is not None and listed(row.state) and samples:
+                out[sandbox_id] = samples[-1]
+        return out
+
     # -- the command gate ---------------------------------------------------------------------------------------
     def lock(self, sandbox_id: str) -> asyncio.Lock:
         lock = self._locks.get(sandbox_id)
@@ -320,6 +329,38 @@ class SandboxManager:
 
     async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
         """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes."""
+        await self._known(sandbox_id)
+        async with self._command(sandbox_id, Command.CONNECT) as row:
+            if row.state == State.RUNNING:
+                self._keep_alive(row, timeout)
+                self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
+                return row, False
+            await self._resume(row, timeout)
+            return row, True
+
+    async def resume(self, sandbox_id: str, timeout: int, auto_pause: bool | None = None) -> SandboxRow:
+        """E2B's older resume: a paused sandbox only (a running one is a 409); `auto_pause`, when given, is what
+        its next timeout does."""
+        await self._known(sandbox_id)
+        async with self._command(sandbox_id, Command.RESUME) as row:
+            await self._resume(row, timeout)
+            if auto_pause is not None:
+                row.settings.auto_pause = auto_pause
+                self.catalog.put_sandbox(row)
+            return row
+
+    async def refresh(self, sandbox_id: str, seconds: int) -> None:
+        """Keep a running sandbox alive `seconds` from now; its end time is extended, never shortened."""
+        async with self._command(sandbox_id, Command.REFRESH) as row:
+            self._keep_alive(row, seconds)
+            self.recorder.record(row.session_id, "sandbox.refresh", {"duration": seconds})
+
+    def _keep_alive(self, row: SandboxRow, seconds: int) -> None:
+        row.end_at = max(row.end_at, time.time() + seconds)
+        self.catalog.put_sandbox(row)
+
+    async def _known(self, sandbox_id: str) -> None:
+        """Load a sandbox unknown here whose pause checkpoint is in the (shared) store; NotFound if there is none."""
         if sandbox_id not in self.records:
             async with self.lock(sandbox_id):
                 if sandbox_id not in self.records:
@@ -327,14 +368,6 @@ class SandboxManager:
                     if row is None:
                         raise NotFound(f"sandbox \"{sandbox_id}\" not found")
                     self.records[sandbox_id] = row
-        async with self._command(sandbox_id, Command.CONNECT) as row:
-            if row.state == State.RUNNING:
-                row.end_at = max(row.end_at, time.time() + timeout)
-                self.catalog.put_sandbox(row)
-                self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
-                return row, False
-            await self._resume(row, timeout)
-            return row, True
 
     async def _resume(self, row: SandboxRow, timeout: int) -> None:
         self._set(row, State.RESUMING)

@@ -36,12 +36,14 @@ class State(enum.StrEnum):
 class Command(enum.StrEnum):
     CREATE = "create"
     CONNECT = "connect"  # a running sandbox: extend its timeout; a paused one: resume it
+    RESUME = "resume"  # E2B's older call: a paused sandbox only
     PAUSE = "pause"  # memory and files
     PAUSE_FILESYSTEM = "pause (filesystem only)"
     SNAPSHOT = "snapshot"
     FORK = "fork"
     KILL = "kill"
     SET_TIMEOUT = "set timeout"
+    REFRESH = "refresh"  # keep it alive for a while from now: the end time is extended, never shortened
     EXPIRE = "timeout"  # its end time passed: kill it, or pause it (autoPause)
     NETWORK_UPDATE = "network update"
     METRICS = "metrics"
@@ -52,12 +54,14 @@ class Command(enum.StrEnum):
 LEGAL: dict[Command, frozenset[State]] = {
     Command.CREATE: frozenset({State.POOLED}),
     Command.CONNECT: frozenset({State.RUNNING, State.PAUSED}),
+    Command.RESUME: frozenset({State.PAUSED}),
     Command.PAUSE: frozenset({State.RUNNING}),
     Command.PAUSE_FILESYSTEM: frozenset(),  # 501 everywhere: the root filesystem lives in the sandbox's memory
     Command.SNAPSHOT: frozenset({State.RUNNING}),
     Command.FORK: frozenset({State.RUNNING}),
     Command.KILL: frozenset({State.RUNNING, State.PAUSED}),
     Command.SET_TIMEOUT: frozenset({State.RUNNING}),
+    Command.REFRESH: frozenset({State.RUNNING}),
     Command.EXPIRE: frozenset({State.RUNNING}),
     Command.NETWORK_UPDATE: frozenset({State.RUNNING}),
     Command.METRICS: frozenset({State.RUNNING, State.PAUSED}),
@@ -101,6 +105,8 @@ def require(command: Command, state: State, sandbox_id: str) -> None:
         raise NotFound(f"sandbox \"{sandbox_id}\" not found")
     if command == Command.PAUSE and state == State.PAUSED:
         raise Conflict(f"Error pausing sandbox - sandbox '{sandbox_id}' is already paused")
+    if command == Command.RESUME and state == State.RUNNING:
+        raise Conflict(f"sandbox '{sandbox_id}' is already running")
     if state == State.PAUSED:
         raise Conflict(f"sandbox '{sandbox_id}' is paused; {command} needs a running sandbox (connect resumes it)")
     raise Conflict(f"sandbox '{sandbox_id}' is {state}; {command} is not possible now")

@@ -12,9 +12,13 @@ from keepstate.errors import KeepStateError
 from keepstate.template import builder
 from keepstate.template.builder import Built
 from keepstate.template.definition import load as load_definition
+from keepstate.template.definition import load_all
 
 
 class Templates(Protocol):
+    def names(self) -> list[str]:
+        """Every template this server knows, built or not."""
+
     def latest(self, name: str) -> Built | None:
         """The newest build of a known template, None if it has none yet; NotFound for an unknown name."""
 
@@ -28,6 +32,9 @@ class Templates(Protocol):
 
 
 class BuiltTemplates:
+    def names(self) -> list[str]:
+        return sorted(load_all())
+
     def latest(self, name: str) -> Built | None:
         return builder.latest(name)
 

@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS sessions (
   session_id TEXT PRIMARY KEY, template_id TEXT, created REAL NOT NULL, parent_session TEXT,
   parent_checkpoint_id TEXT, state TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_parent ON sessions(parent_session);
+CREATE INDEX IF NOT EXISTS sessions_template ON sessions(template_id);
 CREATE TABLE IF NOT EXISTS checkpoints (
   checkpoint_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, parent_checkpoint_id TEXT, kind TEXT NOT NULL,
   event_seq INTEGER, event_hash TEXT, journal_cursor INTEGER, created REAL NOT NULL);
@@ -210,6 +211,12 @@ class SessionDB:
     def session(self, session_id: str) -> SessionRow | None:
         rows = self._read("SELECT * FROM sessions WHERE session_id=?", (session_id,))
         return SessionRow(*rows[0]) if rows else None
+
+    def template_spawns(self, template_id: str) -> tuple[int, float | None]:
+        """(sessions started from the template, when the last one was), forks not counted."""
+        rows = self._read("SELECT COUNT(*), MAX(created) FROM sessions WHERE template_id=? AND parent_session IS NULL",
+                          (template_id,))
+        return (int(rows[0][0]), rows[0][1]) if rows else (0, None)
 
     def child_sessions(self, session_id: str) -> list[SessionRow]:
         rows = self._read("SELECT * FROM sessions WHERE parent_session=? ORDER BY created, session_id", (session_id,))

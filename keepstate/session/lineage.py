@@ -57,6 +57,10 @@ class Lineage:
     def session(self, session_id: str) -> SessionRow | None:
         return self.db.session(session_id)
 
+    def spawns(self, template_id: str) -> tuple[int, float | None]:
+        """How many sandboxes were created from a template (forks not counted), and when the last one was."""
+        return self.db.template_spawns(template_id)
+
     def checkpoint(self, checkpoint_id: str) -> CheckpointRow | None:
         return self.db.checkpoint(checkpoint_id)
 

@@ -445,6 +445,9 @@ class FakeTemplates:
         self._built = {n: Built(name=n, definition_digest=f"fake-{n}", digest=f"sha256:fake-{n}", rootfs=self.root,
                                 defaults=Defaults(), built_at=0.0) for n in names}
 
+    def names(self) -> list[str]:
+        return sorted(self._built)
+
     def latest(self, name: str) -> Any:
         from keepstate.errors import NotFound
 

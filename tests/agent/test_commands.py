@@ -157,6 +157,25 @@ async def test_async_commands(async_sandbox) -> None:
         await async_sandbox.commands.run("exit 7")
 
 
+async def test_async_timeout_is_a_deadline(async_sandbox) -> None:
+    # Once the stream is open the async client does not enforce `timeout` itself (on Python 3.11 connectrpc arms
+    # that deadline in the task the SDK awaits the start event in, which is done by then): the agent must end the
+    # stream with deadline_exceeded, not with the end event of the process it kills.
+    handle = await async_sandbox.commands.run("sleep 20", background=True, timeout=1)
+    with pytest.raises(TimeoutException):
+        await handle.wait()
+    # The process did not outlive its deadline: a new stream to it (not bounded by that deadline) sees it killed.
+    attached = await async_sandbox.commands.connect(handle.pid, timeout=30)
+    with pytest.raises(CommandExitException) as ended:
+        await attached.wait()
+    assert ended.value.error == "signal: killed"
+
+
+async def test_async_run_timeout(async_sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        await async_sandbox.commands.run("sleep 20", timeout=1)
+
+
 async def test_async_kill_and_connect(async_sandbox) -> None:
     handle = await async_sandbox.commands.run("sleep 30", background=True)
     assert handle.pid in {p.pid for p in await async_sandbox.commands.list()}

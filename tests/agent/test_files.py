@@ -127,6 +127,21 @@ def test_metadata_roundtrip(sandbox, home_dir) -> None:
     assert out.stdout in ("draft", "")  # getfattr may be missing on the dev host
 
 
+@pytest.mark.parametrize("use_octet_stream", [False, True], ids=["multipart", "octet-stream"])
+def test_rewrite_without_metadata_clears_it(sandbox, home_dir, use_octet_stream: bool) -> None:
+    # E2B: each upload sets the file's whole metadata, so an upload without any leaves the file with none.
+    if "metadata" not in sandbox.files.write.__code__.co_varnames:
+        pytest.skip("this SDK has no file metadata")
+    path = f"{home_dir}/m.txt"
+    sandbox.files.write(path, "v1", metadata={"owner": "alice"}, use_octet_stream=use_octet_stream)
+    assert sandbox.files.get_info(path).metadata == {"owner": "alice"}
+    info = sandbox.files.write(path, "v2", use_octet_stream=use_octet_stream)
+    assert info.metadata is None
+    assert sandbox.files.get_info(path).metadata is None
+    assert [(e.name, e.metadata) for e in sandbox.files.list(home_dir)] == [("m.txt", None)]
+    assert sandbox.files.read(path) == "v2"
+
+
 def test_signed_download_and_upload_urls(sandbox, home_dir) -> None:
     sandbox.files.write(f"{home_dir}/s.txt", "signed")
     url = sandbox.download_url(f"{home_dir}/s.txt")

@@ -243,6 +243,61 @@ def test_raw_connect_by_tag_and_sigterm(secured) -> None:
         assert missing.status_code == 404 and missing.json()["code"] == "not_found"
 
 
+def _deadline_error(frames: list[tuple[int, dict]]) -> dict:
+    """The error of a stream ended by its deadline, after checking that no end event came before it."""
+    assert not [f for f in frames if f[0] == 0 and "end" in f[1]["event"]], frames
+    flags, last = frames[-1]
+    assert flags == 2 and "error" in last, frames
+    return last["error"]
+
+
+def test_raw_start_deadline_ends_stream_and_process(secured) -> None:
+    # As a Connect deadline does (envd's): the stream ends with deadline_exceeded, and not with the end event of
+    # the process, which envd kills when the Start request's deadline passes.
+    headers = {"X-Access-Token": secured.token, "Content-Type": "application/connect+json",
+               "Connect-Timeout-Ms": "1000"}
+    start = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "stdin": False}
+    with secured.client() as client:
+        with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
+            assert r.status_code == 200
+            stream = _Stream(r)
+            stream.until("the start event", "start")
+            frames = stream.rest()
+        assert _deadline_error(frames)["code"] == "deadline_exceeded"
+        pid = frames[0][1]["event"]["start"]["pid"]
+        # A stream without a deadline of its own sees the end of the kill.
+        connect = {"process": {"pid": pid}}
+        no_deadline = {k: v for k, v in headers.items() if k != "Connect-Timeout-Ms"}
+        with client.stream("POST", "/process.Process/Connect", content=_envelope(connect), headers=no_deadline) as r:
+            frames = _Stream(r).rest()
+    end = frames[-2][1]["event"]["end"]
+    assert (end["status"], end["exitCode"]) == ("signal: killed", -1)
+    assert frames[-1] == (2, {})
+
+
+def test_raw_connect_deadline_ends_only_the_stream(secured) -> None:
+    headers = {"X-Access-Token": secured.token, "Content-Type": "application/connect+json"}
+    unary = {"X-Access-Token": secured.token, "Content-Type": "application/json"}
+    start = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "stdin": False}
+    with secured.client() as client:
+        with client.stream("POST", "/process.Process/Start", content=_envelope(start), headers=headers) as r:
+            stream = _Stream(r)
+            stream.until("the start event", "start")
+            pid = stream.frames[0][1]["event"]["start"]["pid"]
+            connect = {"process": {"pid": pid}}
+            with client.stream("POST", "/process.Process/Connect", content=_envelope(connect),
+                               headers={**headers, "Connect-Timeout-Ms": "500"}) as attached:
+                frames = _Stream(attached).rest()
+            assert _deadline_error(frames)["code"] == "deadline_exceeded"
+            # The process runs on: the deadline was the Connect stream's, not the process's.
+            listed = client.post("/process.Process/List", json={}, headers=unary).json()
+            assert pid in [p["pid"] for p in listed["processes"]]
+            kill = {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
+            assert client.post("/process.Process/SendSignal", json=kill, headers=unary).status_code == 200
+            frames = stream.rest()
+    assert frames[-2][1]["event"]["end"]["status"] == "signal: killed"
+
+
 def test_unknown_user_and_bad_query(secured) -> None:
     token, http = secured.token, secured.client()
     headers = {"X-Access-Token": token, "Content-Type": "application/json",

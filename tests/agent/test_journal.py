@@ -75,6 +75,31 @@ def test_journal_records_sdk_actions(sandbox, home_dir) -> None:
     assert all(isinstance(e["ts"], float) for e in events)
 
 
+def test_journal_keeps_the_first_lines_a_process_prints(sandbox) -> None:
+    http = wire_of(sandbox).client(authed=True)
+    start = http.get("/journal", params={"limit": 0}).json()["last"]
+    quiet = sandbox.commands.run("echo one; echo two >&2; printf '\\n\\nthree\\n'")
+    chatty = sandbox.commands.run("for i in $(seq 1 500); do echo line $i; done")
+    assert quiet.exit_code == 0 and chatty.stdout.count("\n") == 500
+
+    events = _events_after(http, start)
+    pids = [e["data"]["pid"] for e in events if e["kind"] == "process.start"]
+    assert len(pids) == 2
+
+    def output(pid: int) -> list[dict]:  # type: ignore[type-arg]
+        return [e["data"] for e in events if e["kind"] == "process.output" and e["data"]["pid"] == pid]
+
+    quiet_out = output(pids[0])
+    assert sorted((d["stream"], d["text"]) for d in quiet_out) == [("stderr", "two"), ("stdout", "one"),
+                                                                     ("stdout", "three")]
+    chatty_out = output(pids[1])
+    assert len(chatty_out) == 21 and chatty_out[-1] == {"pid": pids[1], "truncated": True}
+    assert [d["text"] for d in chatty_out[:20]] == [f"line {i}" for i in range(1, 21)]  # in order, whole lines
+    exits = [i for i, e in enumerate(events) if e["kind"] == "process.exit" and e["data"]["pid"] == pids[1]]
+    outs = [i for i, e in enumerate(events) if e["kind"] == "process.output" and e["data"]["pid"] == pids[1]]
+    assert exits and max(outs) < exits[0]  # the output comes before the exit
+
+
 @pytest.mark.skipif(not REMOTE, reason="needs real sandboxes: checkpoints are the server's")
 def test_journal_continues_across_pause_and_fork(control_plane) -> None:
     from e2b import Sandbox

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,13 @@ from keepstate.agent.auth import (  # noqa: E402
     file_signature,
     token_ok,
 )
-from keepstate.agent.entry import MetadataError, go_mode_string, validate_metadata  # noqa: E402
+from keepstate.agent.entry import (  # noqa: E402
+    MetadataError,
+    go_mode_string,
+    read_metadata,
+    replace_metadata,
+    validate_metadata,
+)
 from keepstate.agent.metrics import parse_cpu_times, parse_meminfo  # noqa: E402
 from keepstate.agent.process import exit_info  # noqa: E402
 from keepstate.agent.services import INITIAL_BACKOFF_S, MAX_BACKOFF_S, next_backoff  # noqa: E402
@@ -116,6 +124,34 @@ def test_metadata_validation() -> None:
     for bad in ({"": "v"}, {"k": "caf\u00e9"}, {"k" * 247: "v"}, {"k": "v" * 5000}):
         with pytest.raises(MetadataError):
             validate_metadata(bad)
+
+
+def test_metadata_is_replaced_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f"
+    path.write_text("x")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        try:
+            replace_metadata(fd, {"a": "1", "b": "2"})
+        except OSError as e:
+            if e.errno == errno.ENOTSUP:
+                pytest.skip(f"{tmp_path} has no user xattrs")
+            raise
+        assert read_metadata(str(path)) == {"a": "1", "b": "2"}
+        replace_metadata(fd, {"b": "3"})
+        assert read_metadata(str(path)) == {"b": "3"}
+        replace_metadata(fd, {})
+        assert read_metadata(str(path)) == {}
+
+        def no_xattrs(_: int) -> list[str]:
+            raise OSError(errno.ENOTSUP, "Operation not supported")
+
+        monkeypatch.setattr(os, "listxattr", no_xattrs)
+        replace_metadata(fd, {})  # nothing to clear where there can be none: the upload still succeeds
+        with pytest.raises(OSError):
+            replace_metadata(fd, {"a": "1"})  # but metadata asked for and not stored is an error
+    finally:
+        os.close(fd)
 
 
 def test_exit_info_like_go() -> None:

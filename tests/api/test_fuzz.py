@@ -37,7 +37,8 @@ SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 EXAMPLES = int(os.environ.get("KEEPSTATE_FUZZ_EXAMPLES", "20"))
 SEED = 20261201
 # What valid input makes costly with real sandboxes: checkpoints and new sandboxes (see the docstring).
-HEAVY = ("connectSandbox", "connectSandboxV1", "forkSandbox", "createSnapshot", "pauseSandbox")
+HEAVY = ("connectSandbox", "connectSandboxV1", "resumeSandbox", "forkSandbox", "forkSandboxV2", "createSnapshot",
+         "pauseSandbox")
 CREATE = ("createSandbox", "createSandboxV1")
 
 
@@ -96,8 +97,9 @@ def config(hooks: Path, fake: bool) -> str:
         "[phases.stateful]",
         f"max-steps = {10 if fake else 4}",
     ]
-    # Histories outlive their sandboxes by design: after a DELETE, events and lineage still answer 200.
-    lines += ["[[operations]]", 'include-operation-id-regex = "^(listSandboxEvents|getSandboxLineage)$"',
+    # Histories outlive their sandboxes by design: after a DELETE, events, lineage and logs still answer 200.
+    lines += ["[[operations]]",
+              'include-operation-id-regex = "^(listSandboxEvents|getSandboxLineage|getSandboxLogs|getSandboxLogsV2)$"',
               "checks.use_after_free.enabled = false"]
     if not fake:
         lines += ["[[operations]]", f'include-operation-id-regex = "^({"|".join(HEAVY)})$"',

@@ -1,0 +1,66 @@
+"""REST handlers for the templates this server offers: E2B's `GET /templates` and `GET /templates/aliases/{alias}`
+(what `Template.exists(name)` asks)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from keepstate.errors import KeepStateError, NotFound
+from keepstate.template.builder import Built
+
+from .control import envd_version, manager
+from .events import LINEAGE
+from .schemas import rfc3339
+
+routes = web.RouteTableDef()
+
+
+def build_id(built: Built) -> str:
+    """A build's ID in E2B's shape (a UUID), derived from its content digest: the same build, the same ID."""
+    return str(uuid.UUID(hashlib.sha256(built.digest.encode()).hexdigest()[:32]))
+
+
+def describe(built: Built, spawns: int, last_spawn: float | None, envd: str) -> dict[str, Any]:
+    return {
+        "templateID": built.name, "buildID": build_id(built), "cpuCount": max(1, int(built.defaults.cpu)),
+        "memoryMB": built.defaults.memory_mb, "diskSizeMB": 1024, "public": True, "aliases": [built.name],
+        "names": [built.name], "createdAt": rfc3339(built.built_at), "updatedAt": rfc3339(built.built_at),
+        "createdBy": None, "lastSpawnedAt": rfc3339(last_spawn) if last_spawn is not None else None,
+        "spawnCount": spawns, "buildCount": 1, "envdVersion": envd, "buildStatus": "ready",
+    }
+
+
+def _described(request: web.Request) -> list[dict[str, Any]]:
+    """Built templates; one not built yet is built on first use (and `Template.exists` already finds it)."""
+    templates, lineage = manager(request).templates, request.app[LINEAGE]
+    out = []
+    for name in templates.names():
+        try:
+            built = templates.latest(name)
+        except KeepStateError:
+            continue  # its definition does not load: not on offer
+        if built is not None:
+            out.append(describe(built, *lineage.spawns(name), envd_version(request)))
+    return out
+
+
+@routes.get("/templates")
+async def list_templates(request: web.Request) -> web.Response:
+    return web.json_response(await asyncio.to_thread(_described, request))
+
+
+@routes.get("/templates/aliases/{alias}")
+async def alias(request: web.Request) -> web.Response:
+    name = request.match_info["alias"]
+    m = manager(request)
+    if name in await asyncio.to_thread(m.templates.names):
+        return web.json_response({"templateID": name, "public": True})
+    snap = await asyncio.to_thread(m.find_snapshot, name)
+    if snap is not None:
+        return web.json_response({"templateID": snap["snapshot_id"], "public": False})
+    raise NotFound(f"template '{name}' not found")
