@@ -7,6 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VENV_E2B250 := .venv-e2b250
 VENV_E2B245 := .venv-e2b245
+JS_TESTS := tests/js
 LISTEN ?= 127.0.0.1:3000
 
 .PHONY: setup host venv up test bench clean-test
@@ -16,7 +17,7 @@ setup: host venv
 host:
 	@bash scripts/setup-host.sh
 
-venv: $(VENV)/.installed $(VENV_E2B250)/.installed $(VENV_E2B245)/.installed
+venv: $(VENV)/.installed $(VENV_E2B250)/.installed $(VENV_E2B245)/.installed $(JS_TESTS)/node_modules/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +34,13 @@ $(VENV_E2B250)/.installed: tests/requirements-e2b250.txt
 $(VENV_E2B245)/.installed: tests/requirements-e2b245.txt
 	@test -x $(VENV_E2B245)/bin/python || $(PYTHON) -m venv $(VENV_E2B245)
 	@$(VENV_E2B245)/bin/pip install --quiet --disable-pip-version-check -r tests/requirements-e2b245.txt
+	@touch $@
+
+# The stock JS SDK for tests/js (run by tests/sdk/test_js_sdk.py), with the node and npm scripts/setup-host.sh
+# installed: `npm ci` installs exactly what the lock pins. e2b declares node >= 20.18.1 and Debian 12's nodejs is
+# 18.20; the SDK works on it (tests/js imports its ESM build), so npm's engine warnings are kept out (--loglevel).
+$(JS_TESTS)/node_modules/.installed: $(JS_TESTS)/package-lock.json
+	@cd $(JS_TESTS) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 up: setup

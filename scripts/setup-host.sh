@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Host set-up for KeepState, as root, idempotent. Installs gVisor (runsc) from Debian
-# bookworm-backports, debootstrap and the networking tools the runtime needs.
+# bookworm-backports, debootstrap and the networking tools the runtime needs, and Node.js
+# and npm for the JS SDK tests (tests/js).
 # The backports suite is added with the mirror already configured in this machine's
 # apt sources: no host name is written here.
 set -euo pipefail
@@ -10,9 +11,9 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-stamp=/var/lib/keepstate/.host-setup-v4
+stamp=/var/lib/keepstate/.host-setup-v5
 if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
-    && command -v conntrack >/dev/null; then
+    && command -v conntrack >/dev/null && command -v node >/dev/null && command -v npm >/dev/null; then
   exit 0
 fi
 
@@ -45,11 +46,17 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 
+# Debian's nodejs and npm, unless a node or npm is already installed (another distribution's, such as
+# NodeSource's nodejs, which bundles npm and conflicts with Debian's npm package).
+js=()
+command -v node >/dev/null || js+=(nodejs)
+command -v npm >/dev/null || js+=(npm)
+
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
   debootstrap iproute2 iptables conntrack util-linux procps ca-certificates \
-  python3 python3-venv python3-dev gcc make git restic zstd >/dev/null
+  python3 python3-venv python3-dev gcc make git restic zstd "${js[@]}" >/dev/null
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 
 # Debian prints "runsc version 0.0~20240729.0", upstream "release-20240729.0".

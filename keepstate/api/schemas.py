@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
 
-from keepstate.errors import BadRequest
+from keepstate.errors import BadRequest, Unsupported
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
 from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.state import PUBLIC
@@ -164,6 +164,11 @@ def parse_create(body: Any) -> CreateRequest:
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
+    mounts = body.get("volumeMounts")
+    if mounts is not None and not isinstance(mounts, list):
+        raise BadRequest("`volumeMounts` must be a list of {name, path}")
+    if mounts:  # silently without them, a sandbox would lose what its user meant to keep
+        raise Unsupported("volumes (`volumeMounts`) are not supported by this server yet")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
         env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem,

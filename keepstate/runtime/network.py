@@ -4,6 +4,8 @@ Each sandbox gets a slot N and with it a /30 of 10.88.0.0/16: the host end of th
 holds .1, the sandbox .2. Sandboxes cannot reach each other (separate links, no
 forwarding), the host's services (an INPUT filter admits only replies and the ports we
 open on purpose, such as the gateway), or 169.254.169.254 (no route, forwarding dropped).
+A TCP connection that is not allowed is refused with a reset rather than dropped (see
+install_firewall: a half-open connection would block checkpoints).
 """
 
 from __future__ import annotations
@@ -229,7 +231,13 @@ def install_firewall(open_ports: tuple[int, ...] = ()) -> None:
     _run("iptables", "-w", "-A", CHAIN, "-d", GATEWAY_IP, "-p", "tcp", "-j", "ACCEPT")
     for port in open_ports:
         _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT")
+    # A TCP connection a sandbox may not make is refused at once (a reset), not dropped: dropped, it would sit
+    # half-open in the sandbox (SYN-SENT, retried for about two minutes), and gVisor 20240729 cannot checkpoint a
+    # TCP endpoint in the middle of a handshake (it panics in resetConnectionLocked), so every pause, snapshot
+    # and fork of that sandbox would fail meanwhile. Refused, the attempt ends within a round trip.
+    _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
     _run("iptables", "-w", "-A", CHAIN, "-j", "DROP")
+    _run("iptables", "-w", "-A", FWD_CHAIN, "-i", "ksv+", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
     _run("iptables", "-w", "-A", FWD_CHAIN, "-j", "DROP")
     for parent, chain, flag in (("INPUT", CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-o")):
         rule = [parent, flag, "ksv+", "-j", chain]

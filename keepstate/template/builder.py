@@ -252,9 +252,11 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
             say(f"copy parent template {parent.name}")
             work.mkdir(parents=True)
             _sh(["cp", "-a", "--reflink=auto", str(parent.rootfs), str(rootfs)], "copy of parent root")
+            # The parent's resolv.conf names no resolver (sandboxes have none); the build's apt, npm and run
+            # steps need the host's. _finish_root puts the sandbox's back.
+            shutil.copy("/etc/resolv.conf", rootfs / "etc/resolv.conf")
             if d.apt:
                 say(f"apt-get install {len(d.apt)} packages")
-                shutil.copy("/etc/resolv.conf", rootfs / "etc/resolv.conf")
                 _chroot(rootfs, "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                         + " ".join(d.apt) + " >/dev/null", "apt-get install")
         say("python packages")

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from keepstate.api import app as app_module
 from keepstate.api import control, events, schemas, spec
 from keepstate.api.keys import ENVD_VERSION, MANAGER
-from keepstate.errors import BadRequest, NotFound
+from keepstate.errors import BadRequest, NotFound, Unsupported
 from keepstate.session import EventLog, Lineage, SessionDB
 
 BAD_BODIES = [
@@ -129,6 +129,27 @@ def test_create_accepts_what_the_contract_allows() -> None:
                                 "envVars": {"A": "1=2"}, "metadata": {"k": "\u0000"}, "unknown": [1, {}]})
     assert req.timeout == 86400 and req.cpu == 0.5 and req.memory_mb == 512 and isinstance(req.memory_mb, int)
     assert schemas.parse_create({"templateID": "base", "timeout": 1.9}).timeout == 1
+
+
+def test_create_refuses_volumes_rather_than_ignoring_them() -> None:
+    assert schemas.parse_create({"templateID": "base", "volumeMounts": []}).template_id == "base"
+    assert schemas.parse_create({"templateID": "base", "volumeMounts": None}).template_id == "base"
+    with pytest.raises(Unsupported, match="volumes"):
+        schemas.parse_create({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/data"}]})
+    with pytest.raises(BadRequest):
+        schemas.parse_create({"templateID": "base", "volumeMounts": "v:/data"})
+
+
+def test_refresh_and_resume_bodies() -> None:
+    assert schemas.parse_refresh_body({}) == 15 and schemas.parse_refresh_body({"duration": 3600.0}) == 3600
+    assert schemas.parse_resume_body({}) == (15, None, True)
+    assert schemas.parse_resume_body({"timeout": 60, "autoPause": False, "memory": False}) == (60, False, False)
+    for bad in ({"duration": 3601}, {"duration": -1}, {"duration": 1.5}, {"duration": None}, {"duration": "1"}):
+        with pytest.raises(BadRequest):
+            schemas.parse_refresh_body(bad)
+    for bad_resume in ({"timeout": 0}, {"autoPause": 1}, {"memory": "yes"}):
+        with pytest.raises(BadRequest):
+            schemas.parse_resume_body(bad_resume)
 
 
 def test_timeout_bodies() -> None:

@@ -18,10 +18,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+from keepstate.template.definition import definitions_dir
+
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATE = REPO / "templates" / "code-interpreter-v1.toml"
+TEMPLATE = definitions_dir() / "code-interpreter-v1.toml"
 # Bump when the build steps below change.
-RECIPE = 2
+RECIPE = 3
 
 
 def env_dir() -> Path:
@@ -37,23 +39,18 @@ def _run(cmd: list[str], **kw: object) -> None:
 
 
 def patch_tslab(prefix: Path) -> None:
-    """The template's sed step: Jupyter-style IPC endpoints in tslab."""
-    js = prefix / "lib" / "node_modules" / "tslab" / "dist" / "jupyter.js"
-    text = js.read_text()
-    old = "const addr = `${conn.transport}://${conn.ip}:${port}`;"
-    new = ('const addr = conn.transport === "ipc" ? `ipc://${conn.ip}-${port}` '
-           ": `${conn.transport}://${conn.ip}:${port}`;")
-    if new not in text:
-        if old not in text:
-            raise RuntimeError(f"{js}: tslab changed; the IPC patch no longer applies")
-        js.write_text(text.replace(old, new))
+    """The template's own tslab steps (its run lines that patch or check tslab's files), with the venv's prefix
+    for /usr/local: one definition of the patches, so the baseline kernel behaves as the sandbox's does."""
+    for line in _template()["run"]:
+        if "node_modules/tslab/dist" in line:
+            _run(["sh", "-ec", line.replace("/usr/local", str(prefix))])
 
 
 def ensure() -> Path:
     """The venv's root, built if missing or stale."""
     root = env_dir()
     tpl = _template()
-    stamp_value = hashlib.sha256(json.dumps([RECIPE, tpl["pip"], tpl["npm"]]).encode()).hexdigest()
+    stamp_value = hashlib.sha256(json.dumps([RECIPE, tpl["pip"], tpl["npm"], tpl["run"]]).encode()).hexdigest()
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

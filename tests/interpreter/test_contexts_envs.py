@@ -18,7 +18,7 @@ def test_default_contexts(new_sandbox: Callable[..., Sandbox]) -> None:
     # Python's default context starts with the sandbox; other languages' on their first use.
     assert [c.language for c in sbx.list_code_contexts()] == ["python"]
     sbx.run_code("const jsDefault = 1", language="js")
-    assert sbx.run_code("jsDefault + 1", language="javascript").logs.stdout == ["2\n"]
+    assert sbx.run_code("jsDefault + 1", language="javascript").text == "2"
     contexts = sbx.list_code_contexts()
     assert sorted(c.language for c in contexts) == ["javascript", "python"]
     assert all(c.cwd == HOME for c in contexts)
@@ -73,16 +73,20 @@ def test_bash(sandbox: Sandbox) -> None:
 
 def test_javascript(sandbox: Sandbox) -> None:
     execution = sandbox.run_code("const a = 20; console.log('hi'); a + 1", language="js")
-    # tslab prints the last expression's value instead of sending an execute_result.
-    assert execution.logs.stdout == ["hi\n", "21\n"]
-    assert sandbox.run_code("await Promise.resolve(a * 2)", language="javascript").logs.stdout == ["40\n"]
+    # The last expression is the execution's result, as with E2B's kernel; what the cell printed stays output.
+    assert execution.logs.stdout == ["hi\n"]
+    assert execution.text == "21" and [r.is_main_result for r in execution.results] == [True]
+    assert sandbox.run_code("await Promise.resolve(a * 2)", language="javascript").text == "40"  # top-level await
+    assert sandbox.run_code("({ b: [1, 'x'] })", language="js").text == "{ b: [ 1, 'x' ] }"
+    quiet = sandbox.run_code("let nothing = 1", language="js")
+    assert quiet.results == [] and quiet.logs.stdout == []
     failed = sandbox.run_code("throw new TypeError('boom')", language="js")
     assert failed.error is not None
     assert (failed.error.name, failed.error.value) == ("TypeError", "boom")
     # Right after an error tslab refuses requests for 200 ms; the bridge retries them.
-    assert sandbox.run_code("process.env.KS_JS", language="js", envs={"KS_JS": "j"}).logs.stdout == ["j\n"]
+    assert sandbox.run_code("process.env.KS_JS", language="js", envs={"KS_JS": "j"}).text == "j"
     typed = sandbox.run_code("const n: number = 4; n * n", language="ts")
-    assert typed.logs.stdout == ["16\n"]
+    assert typed.text == "16" and typed.logs.stdout == []
 
 
 def test_unsupported_language(sandbox: Sandbox) -> None:

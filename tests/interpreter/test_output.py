@@ -5,7 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 
-from keepstate.agent.interpreter.output import END, ExecutionOutput, encode, error_line, result_line
+from keepstate.agent.interpreter.output import (
+    END,
+    EXECUTE_RESULT_MARK,
+    ExecutionOutput,
+    encode,
+    error_line,
+    result_line,
+)
 
 WHEN = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
@@ -36,6 +43,14 @@ def test_full_execution() -> None:
     assert [line["type"] for line in lines] == ["number_of_executions", "stdout", "result", "result"]
     assert lines[1]["timestamp"] == "2026-01-02T03:04:05+00:00"
     assert lines[2]["is_main_result"] is False and lines[3]["is_main_result"] is True
+
+
+def test_a_display_marked_as_the_cells_result_is_the_main_result() -> None:
+    """tslab's last expression, as the template's patch sends it."""
+    out = ExecutionOutput()
+    lines = out.feed(msg("display_data", data={"text/plain": "21"}, metadata={EXECUTE_RESULT_MARK: True}))
+    lines += out.feed(msg("display_data", data={"text/plain": "shown"}, metadata={}))
+    assert [(line["text"], line["is_main_result"]) for line in lines] == [("21", True), ("shown", False)]
 
 
 def test_error_reported_once() -> None:

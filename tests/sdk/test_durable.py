@@ -102,6 +102,23 @@ def test_pause_of_a_sandbox_using_most_of_its_memory(new_sandbox) -> None:
     assert "os.urandom(300<<20)" in resumed.commands.run("ps -eo args").stdout  # the process lives on
 
 
+def test_a_refused_connection_attempt_leaves_the_sandbox_pausable(new_sandbox) -> None:
+    """A connection a sandbox may not make (here: a closed port of its own gateway, the host end of its link; no
+    packet leaves the host) is refused at once, not left half-open: gVisor cannot checkpoint a TCP endpoint in the
+    middle of a handshake, so a dropped attempt would fail every pause for the two minutes it is retried."""
+    sbx = new_sandbox(timeout=120)
+    gateway = sbx.commands.run("ip route | awk '/^default/ {print $3}'").stdout.strip()
+    assert gateway.startswith("10.88."), gateway
+    attempt = sbx.commands.run(f"timeout 20 bash -c 'exec 3<>/dev/tcp/{gateway}/9'; echo $?", timeout=60)
+    assert attempt.stdout.strip() == "1", attempt  # refused (1), not still trying when `timeout` ended it (124)
+    sbx.commands.run(f"bash -c 'exec 3<>/dev/tcp/{gateway}/9' 2>/dev/null; echo done > /tmp/attempted",
+                     background=True)
+    wait_until(lambda: sbx.files.exists("/tmp/attempted"), 20, "the background connection attempt to end")
+    sbx.pause()
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.files.read("/tmp/attempted") == "done\n"
+
+
 def test_connect_to_running_after_resume_is_200_path(new_sandbox) -> None:
     sbx = new_sandbox()
     sbx.pause()

@@ -36,6 +36,9 @@ END: Line = {"type": "end_of_execution"}
 UNEXPECTED_END: Line = {"type": "unexpected_end_of_execution"}
 
 
+# The metadata key of a display_data that is a cell's result (the code-interpreter template's tslab patch).
+EXECUTE_RESULT_MARK = "keepstate/execute_result"
+
 def encode(line: Line) -> bytes:
     """One NDJSON record: json.dumps never emits a raw newline, and there are no blank lines."""
     return json.dumps(line, ensure_ascii=False).encode() + b"\n"
@@ -133,7 +136,9 @@ class ExecutionOutput:
         if kind == "execute_result":
             return [result_line(content.get("data") or {}, True)]
         if kind == "display_data":
-            return [result_line(content.get("data") or {}, False)]
+            # tslab's last expression (the template patches it to send one so marked) is the main result.
+            main = bool((content.get("metadata") or {}).get(EXECUTE_RESULT_MARK))
+            return [result_line(content.get("data") or {}, main)]
         if kind == "error":
             self._error_sent = True
             # bash_kernel reports a failing command with an empty name and the exit status as value.
