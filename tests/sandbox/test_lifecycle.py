@@ -222,7 +222,7 @@ async def test_a_client_that_goes_away_ends_its_relay_and_says_how_long_it_waite
     or a request into a sandbox that never answers is held open to nobody, and the evidence of the stall is lost."""
     from keepstate.api import router
 
-    monkeypatch.setattr(router, "SLOW_ANSWER", 0.2)
+    monkeypatch.setattr(router, "SLOW_ANSWER", 0.0)  # any wait at all counts as slow here
     monkeypatch.setattr(router, "CLIENT_CHECK", 0.05)
     s = served
     sid, token = await create(s)
@@ -233,7 +233,6 @@ async def test_a_client_that_goes_away_ends_its_relay_and_says_how_long_it_waite
                  f"X-Access-Token: {token}\r\n\r\n".encode())
     while not any(s.manager.agents._inflight.get(sid, ())):  # noqa: SLF001 - wait until it is in flight
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.3)  # past SLOW_ANSWER: what is measured here is a wait this long
     conn.close()
     deadline = time.monotonic() + 10
     while any(s.manager.agents._inflight.get(sid, ())):  # noqa: SLF001
