@@ -78,7 +78,7 @@ async def connect(request: web.Request) -> web.Response:
     if isinstance(body, dict) and body.get("memory", True) is not True:
         if body.get("memory") is not False:
             raise BadRequest("`memory` must be a boolean")
-        refuse_cold_resume(request)
+        refuse_without_memory(request, "a resume (on_resume=\"reboot\")")
     try:
         row, resumed = await manager(request).connect(sid(request), timeout)
     except NotFound:
@@ -98,10 +98,12 @@ async def metrics_of_many(request: web.Request) -> web.Response:
     return web.json_response({"sandboxes": manager(request).latest_metrics(ids)})
 
 
-def refuse_cold_resume(request: web.Request) -> None:
-    manager(request).get(sid(request))  # an unknown sandbox is still a 404
-    raise Unsupported("a resume without memory (on_resume=\"reboot\": a cold boot from the filesystem) is not "
-                      "supported by the gVisor runtime: the root filesystem lives in the sandbox's memory")
+def refuse_without_memory(request: web.Request, what: str) -> None:
+    """`memory: false` asks for a cold boot from the files, which the gVisor runtime cannot do: a 501 (a 404 for
+    an unknown sandbox, as the call itself would answer)."""
+    manager(request).get(sid(request))
+    raise Unsupported(f"{what} without memory (a cold boot from the filesystem) is not supported by the gVisor "
+                      "runtime: the root filesystem lives in the sandbox's memory")
 
 
 @routes.post("/sandboxes/{sandbox_id}/resume")
@@ -109,7 +111,7 @@ async def resume(request: web.Request) -> web.Response:
     """E2B's older resume: a paused sandbox only (a running one is a 409, unlike connect)."""
     timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request))
     if not memory:
-        refuse_cold_resume(request)
+        refuse_without_memory(request, "a resume (on_resume=\"reboot\")")
     try:
         row = await manager(request).resume(sid(request), timeout, auto_pause)
     except NotFound:
@@ -235,9 +237,7 @@ async def fork(request: web.Request) -> web.Response:
     body = await object_body(request)
     count, timeout = schemas.parse_fork_body(body)
     if not schemas.parse_fork_memory(body):
-        manager(request).get(sid(request))  # an unknown sandbox is still a 404
-        raise Unsupported("forks without memory (cold boots from the files) are not supported by the gVisor runtime: "
-                          "the root filesystem lives in the sandbox's memory")
+        refuse_without_memory(request, "a fork")
     results = await manager(request).fork(sid(request), count, timeout)
     out = []
     for r in results:

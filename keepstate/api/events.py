@@ -12,6 +12,9 @@ from aiohttp import web
 from keepstate.errors import BadRequest, NotFound
 from keepstate.session import EventLog, Lineage
 
+from .control import sid
+from .schemas import query_int
+
 routes = web.RouteTableDef()
 MAX_LIMIT = 10_000
 MAX_SEQ = 2**63 - 1  # SQLite's INTEGER: a larger `after` would overflow its binding
@@ -27,31 +30,12 @@ def _lineage(request: web.Request) -> Lineage:
     return request.app[LINEAGE]
 
 
-def _session_id(request: web.Request) -> str:
-    return request.match_info["sandbox_id"].split("-")[0]  # old SDKs send "<id>-<clientID>"
-
-
-def _int(request: web.Request, name: str, default: int | None, low: int) -> int | None:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"query parameter {name} must be an integer, got {raw!r}") from None
-    if value < low:
-        raise BadRequest(f"query parameter {name} must be at least {low}")
-    if value > MAX_SEQ:
-        raise BadRequest(f"query parameter {name} must be at most {MAX_SEQ}")
-    return value
-
-
 @routes.get("/sandboxes/{sandbox_id}/events")
 async def list_events(request: web.Request) -> web.Response:
     log = _event_log(request)
-    session_id = _session_id(request)
-    after = _int(request, "after", 0, 0) or 0
-    limit = min(_int(request, "limit", MAX_LIMIT, 1) or MAX_LIMIT, MAX_LIMIT)
+    session_id = sid(request)
+    after = query_int(request.query, "after", 0, 0, MAX_SEQ)
+    limit = min(query_int(request.query, "limit", MAX_LIMIT, 1, MAX_SEQ), MAX_LIMIT)
     verify = request.query.get("verify", "").lower()
     if verify not in ("", "true", "false", "1", "0"):
         raise BadRequest("query parameter verify must be true or false")
@@ -66,5 +50,5 @@ async def list_events(request: web.Request) -> web.Response:
 
 @routes.get("/sandboxes/{sandbox_id}/lineage")
 async def lineage(request: web.Request) -> web.Response:
-    tree = await asyncio.to_thread(_lineage(request).tree, _session_id(request))
+    tree = await asyncio.to_thread(_lineage(request).tree, sid(request))
     return web.json_response(tree)

@@ -10,6 +10,7 @@ import base64
 import json
 import math
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
@@ -195,12 +196,50 @@ def parse_timeout_body(body: Any, required: bool) -> int:
     return seconds
 
 
-def parse_pause_body(body: dict[str, Any]) -> bool:
-    """`{"memory"?: bool}` of a pause: whether to keep memory (default true)."""
+def query_int(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    """An integer query parameter from `low` to `high`; absent or empty means `default`."""
+    raw = query.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter `{name}` must be a whole number, got {raw!r}") from None
+    if not low <= value <= high:
+        raise BadRequest(f"query parameter `{name}` must be from {low} to {high}")
+    return value
+
+
+def query_choice(query: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str | None:
+    """A query parameter that is one of `allowed`; None when absent or empty."""
+    raw = query.get(name, "")
+    if raw == "":
+        return None
+    if raw not in allowed:
+        raise BadRequest(f"query parameter `{name}` must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
+def _memory(body: dict[str, Any]) -> bool:
+    """`memory` of a pause, snapshot, fork or resume: whether memory is kept (default true)."""
     memory = body.get("memory", True)
     if not isinstance(memory, bool):
         raise BadRequest("`memory` must be a boolean")
     return memory
+
+
+def _whole(value: Any, low: int, high: int, message: str) -> int:
+    """A whole number from `low` to `high` (a float with no fraction counts, a boolean does not)."""
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(message)
+    return value
+
+
+def parse_pause_body(body: dict[str, Any]) -> bool:
+    """`{"memory"?: bool}` of a pause: whether to keep memory (default true)."""
+    return _memory(body)
 
 
 def parse_snapshot_body(body: dict[str, Any]) -> tuple[str | None, bool]:
@@ -208,55 +247,39 @@ def parse_snapshot_body(body: dict[str, Any]) -> tuple[str | None, bool]:
     name = body.get("name")
     if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
         raise BadRequest("`name` must be a non-empty string of at most 128 characters")
-    memory = body.get("memory", True)
-    if not isinstance(memory, bool):
-        raise BadRequest("`memory` must be a boolean")
-    return name, memory
+    return name, _memory(body)
 
 
 def parse_fork_body(body: dict[str, Any]) -> tuple[int, int]:
     """`{"count"?: 1..20, "timeout"?: seconds}` of a fork: (count, timeout)."""
-    count = body.get("count", 1)
-    if isinstance(count, float) and math.isfinite(count) and count == int(count):
-        count = int(count)
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
-        raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
+    count = _whole(body.get("count", 1), 1, MAX_FORKS, f"`count` must be a whole number from 1 to {MAX_FORKS}")
     return count, parse_timeout_body(body, required=False)
 
 
 def parse_fork_memory(body: dict[str, Any]) -> bool:
     """`memory` of a fork (v2): whether the forks start from memory (default) or cold from the files."""
-    memory = body.get("memory", True)
-    if not isinstance(memory, bool):
-        raise BadRequest("`memory` must be a boolean")
-    return memory
+    return _memory(body)
 
 
 REFRESH_DEFAULT = 15  # seconds, E2B's
 REFRESH_MAX = 3600
+RESUME_DEFAULT_TIMEOUT = 15  # seconds, E2B's ResumedSandbox
 
 
 def parse_refresh_body(body: dict[str, Any]) -> int:
     """`{"duration"?: 0..3600}` of a refresh: seconds to keep the sandbox alive from now (default 15)."""
-    duration = body.get("duration", REFRESH_DEFAULT)
-    if isinstance(duration, float) and math.isfinite(duration) and duration == int(duration):
-        duration = int(duration)
-    if isinstance(duration, bool) or not isinstance(duration, int) or not 0 <= duration <= REFRESH_MAX:
-        raise BadRequest(f"`duration` must be a whole number of seconds from 0 to {REFRESH_MAX}")
-    return duration
+    return _whole(body.get("duration", REFRESH_DEFAULT), 0, REFRESH_MAX,
+                  f"`duration` must be a whole number of seconds from 0 to {REFRESH_MAX}")
 
 
 def parse_resume_body(body: dict[str, Any]) -> tuple[int, bool | None, bool]:
     """`{"timeout"?: seconds (15), "autoPause"?: bool, "memory"?: bool}` of E2B's older resume:
     (timeout, auto_pause or None when absent, memory)."""
-    timeout = parse_timeout_body(body, required=False) if "timeout" in body else REFRESH_DEFAULT
+    timeout = parse_timeout_body(body, required=False) if "timeout" in body else RESUME_DEFAULT_TIMEOUT
     auto_pause = body.get("autoPause")
     if auto_pause is not None and not isinstance(auto_pause, bool):
         raise BadRequest("`autoPause` must be a boolean")
-    memory = body.get("memory", True)
-    if not isinstance(memory, bool):
-        raise BadRequest("`memory` must be a boolean")
-    return timeout, auto_pause, memory
+    return timeout, auto_pause, _memory(body)
 
 
 def sandbox(row: SandboxRow, envd_version: str) -> dict[str, Any]:

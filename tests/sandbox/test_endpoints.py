@@ -34,9 +34,9 @@ async def test_refresh_extends_a_running_sandbox_and_never_shortens_it(served: S
     assert s.manager.records[sid].end_at == extended  # never shortened
     assert (await s.call("POST", f"/sandboxes/{sid}/refreshes"))[0] == 204  # no body: 15 s, here a no-op
     assert s.manager.catalog.get_sandbox(sid).end_at == extended  # type: ignore[union-attr]
-    for bad in ({"duration": 3601}, {"duration": -1}, {"duration": "60"}, {"duration": True}, [1]):
-        assert "duration" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", bad), 400) \
-            or bad == [1]
+    for bad in ({"duration": 3601}, {"duration": -1}, {"duration": "60"}, {"duration": True}):
+        assert "duration" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", bad), 400)
+    assert "JSON object" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", [1]), 400)
     error_of(*await s.call("POST", "/sandboxes/nosuchsandbox0000000/refreshes", {"duration": 5}), 404)
     assert (await s.call("POST", f"/sandboxes/{sid}/pause"))[0] == 204
     assert "paused" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", {"duration": 5}), 409)
