@@ -82,7 +82,7 @@ def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
     ckpt = time.perf_counter() - t
     b = latest("base")
     spec = SandboxSpec(name=f"bench-raw-{os.getpid()}", template=TemplateRoot("base", b.digest, b.rootfs),
-                       limits=Limits(cpu=row_.cpu, memory_mb=row_.memory_mb))
+                       limits=Limits(cpu=row_.cpu, memory_mb=row_.memory_mb, disk_mb=row_.settings.disk_mb))
     t = time.perf_counter()
     h = rt.restore(spec, image, slot=16000 + os.getpid() % 300)
     rest = time.perf_counter() - t

@@ -184,6 +184,14 @@ class AgentApp:
                 raise HTTPError(400, str(e)) from None
             await send_json(send, 200, self.journal.page(after, limit))
             return
+        if path == "/keepstate/files" and method in ("GET", "PUT"):
+            from keepstate.agent import files_archive  # a filesystem-only pause and its resume: the host's
+
+            if method == "GET":
+                await files_archive.export(send, stop=query(scope).get("stop", "1") != "0")
+            else:
+                await files_archive.apply(receive, send)
+            return
         if path == "/version" and method == "GET":
             await send_json(send, 200, {"version": ENVD_VERSION})
             return

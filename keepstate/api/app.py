@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
 from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
@@ -50,6 +51,7 @@ class ServerConfig:
     store_url: str | None = None  # default file://<home>/store; s3://bucket/prefix?endpoint=... to share
     gateway_config: Path | None = None  # a GatewayConfig file: serve the metering gateway too
     gateway_port: int = GATEWAY_PORT
+    disk_mb: int = DEFAULT_DISK_MB  # a sandbox's disk quota when its template names none
     standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
     standby_mb: int = 2048  # memory all standbys together may hold
     runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
@@ -144,7 +146,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     manager = SandboxManager(catalog, runtime, templates=templates, recorder=recorder, durable=durable,
                              pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
-                             standby_seconds=config.standby_seconds, standby_mb=config.standby_mb)
+                             standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
+                             disk_mb=config.disk_mb)
     router = Router(manager)
     keys = KeyCache(catalog)
 

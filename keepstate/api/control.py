@@ -11,6 +11,7 @@ from aiohttp import web
 
 from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.state import State
 
 from . import schemas
 from .keys import API_KEY_ID, ENVD_VERSION, MANAGER
@@ -78,7 +79,7 @@ async def connect(request: web.Request) -> web.Response:
     if isinstance(body, dict) and body.get("memory", True) is not True:
         if body.get("memory") is not False:
             raise BadRequest("`memory` must be a boolean")
-        refuse_without_memory(request, "a resume (on_resume=\"reboot\")")
+        refuse_reboot(request)
     try:
         row, resumed = await manager(request).connect(sid(request), timeout)
     except NotFound:
@@ -99,11 +100,20 @@ async def metrics_of_many(request: web.Request) -> web.Response:
 
 
 def refuse_without_memory(request: web.Request, what: str) -> None:
-    """`memory: false` asks for a cold boot from the files, which the gVisor runtime cannot do: a 501 (a 404 for
-    an unknown sandbox, as the call itself would answer)."""
+    """`memory: false` on a fork or snapshot: a 501 (a 404 for an unknown sandbox, as the call itself would
+    answer)."""
     manager(request).get(sid(request))
-    raise Unsupported(f"{what} without memory (a cold boot from the filesystem) is not supported by the gVisor "
-                      "runtime: the root filesystem lives in the sandbox's memory")
+    raise Unsupported(f"{what} without memory is not supported by this server: fork or snapshot with memory")
+
+
+def refuse_reboot(request: web.Request) -> None:
+    """A resume with `memory: false` (on_resume="reboot"): what any resume of a sandbox paused without memory does,
+    and a no-op for a running one; a sandbox paused with memory keeps its files inside its memory image, so it
+    cannot be rebooted from them: a 501."""
+    row = manager(request).get(sid(request))
+    if row.state == State.PAUSED and not row.settings.files_only:
+        raise Unsupported(f"sandbox {row.sandbox_id} was paused with memory: its files are inside its memory "
+                          "image, so it resumes only with memory (on_resume=\"restore\")")
 
 
 @routes.post("/sandboxes/{sandbox_id}/resume")
@@ -111,7 +121,7 @@ async def resume(request: web.Request) -> web.Response:
     """E2B's older resume: a paused sandbox only (a running one is a 409, unlike connect)."""
     timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request))
     if not memory:
-        refuse_without_memory(request, "a resume (on_resume=\"reboot\")")
+        refuse_reboot(request)
     try:
         row = await manager(request).resume(sid(request), timeout, auto_pause)
     except NotFound:

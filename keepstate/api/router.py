@@ -35,7 +35,7 @@ SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) i
 CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 # Paths of the agent that only the host may call.
-_PRIVATE = {"/init"}
+_PRIVATE = {"/init", "/keepstate/files"}  # the host's: /init, a filesystem-only pause's files
 
 
 def not_found(sandbox_id: str) -> web.Response:

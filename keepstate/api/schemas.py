@@ -23,6 +23,7 @@ from keepstate.sandbox.state import PUBLIC
 CLIENT_ID = "6532622b"
 MIN_CPU, MAX_CPU = 0.01, 64
 MIN_MEMORY_MB, MAX_MEMORY_MB = 64, 65536
+MIN_DISK_MB, MAX_DISK_MB = 64, 1 << 20  # our extension `diskSizeMB`: 64 MiB to 1 TiB
 MAX_FORKS = 20  # as keepstate.sandbox.checkpointing.MAX_FORKS
 
 
@@ -162,6 +163,14 @@ def parse_create(body: Any) -> CreateRequest:
         if _number(mem, "memoryMB") != int(mem) or not MIN_MEMORY_MB <= mem <= MAX_MEMORY_MB:
             raise BadRequest(f"`memoryMB` must be a whole number between {MIN_MEMORY_MB} and {MAX_MEMORY_MB}")
         mem = int(mem)
+    disk = body.get("diskSizeMB")
+    if disk is not None:
+        if _number(disk, "diskSizeMB") != int(disk) or not MIN_DISK_MB <= disk <= MAX_DISK_MB:
+            raise BadRequest(f"`diskSizeMB` must be a whole number between {MIN_DISK_MB} and {MAX_DISK_MB}")
+        disk = int(disk)
+    pause_memory = body.get("autoPauseMemory", True)
+    if not isinstance(pause_memory, bool):
+        raise BadRequest("`autoPauseMemory` must be a boolean")
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
@@ -172,8 +181,8 @@ def parse_create(body: Any) -> CreateRequest:
         raise Unsupported("volumes (`volumeMounts`) are not supported by this server yet")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
-        env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem,
-        allow_internet_access=aia, gateway=gateway,
+        env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem, disk_mb=disk,
+        auto_pause_memory=pause_memory, allow_internet_access=aia, gateway=gateway,
     )
 
 
@@ -295,7 +304,7 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
         "templateID": row.template_id, "alias": row.template_id, "sandboxID": row.sandbox_id,
         "clientID": CLIENT_ID, "startedAt": rfc3339(row.started_at), "endAt": rfc3339(row.end_at),
         "envdVersion": envd_version, "cpuCount": max(1, int(row.cpu)), "memoryMB": row.memory_mb,
-        "diskSizeMB": 1024, "state": PUBLIC.get(row.state, "running"),
+        "diskSizeMB": row.settings.disk_mb, "state": PUBLIC.get(row.state, "running"),
         "metadata": dict(row.settings.metadata),
     }
 
@@ -303,7 +312,7 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
 def detail(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     out = _common(row, envd_version)
     if PUBLIC.get(row.state) == "paused":
-        out["pauseMode"] = "full"
+        out["pauseMode"] = "filesystem" if row.settings.files_only else "full"
     out.update({
         "envdAccessToken": row.access_token, "domain": None,
         "allowInternetAccess": row.settings.allow_internet_access,

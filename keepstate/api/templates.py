@@ -25,10 +25,11 @@ def build_id(built: Built) -> str:
     return str(uuid.UUID(hashlib.sha256(built.digest.encode()).hexdigest()[:32]))
 
 
-def describe(built: Built, spawns: int, last_spawn: float | None, envd: str) -> dict[str, Any]:
+def describe(built: Built, spawns: int, last_spawn: float | None, envd: str, disk_mb: int) -> dict[str, Any]:
     return {
         "templateID": built.name, "buildID": build_id(built), "cpuCount": max(1, int(built.defaults.cpu)),
-        "memoryMB": built.defaults.memory_mb, "diskSizeMB": 1024, "public": True, "aliases": [built.name],
+        "memoryMB": built.defaults.memory_mb, "diskSizeMB": built.defaults.disk_mb or disk_mb, "public": True,
+        "aliases": [built.name],
         "names": [built.name], "createdAt": rfc3339(built.built_at), "updatedAt": rfc3339(built.built_at),
         "createdBy": None, "lastSpawnedAt": rfc3339(last_spawn) if last_spawn is not None else None,
         "spawnCount": spawns, "buildCount": 1, "envdVersion": envd, "buildStatus": "ready",
@@ -45,7 +46,7 @@ def _described(request: web.Request) -> list[dict[str, Any]]:
         except KeepStateError:
             continue  # its definition does not load: not on offer
         if built is not None:
-            out.append(describe(built, *lineage.spawns(name), envd_version(request)))
+            out.append(describe(built, *lineage.spawns(name), envd_version(request), manager(request).disk_mb))
     return out
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from keepstate.config import home
+from keepstate.config import DEFAULT_DISK_MB, home
 from keepstate.ports import API_PORT, GATEWAY_PORT
 
 from .common import Command, home_option
@@ -34,6 +34,9 @@ from .common import Command, home_option
                    "(milliseconds) instead of a restore from the store; 0 disables standbys.")
 @click.option("--standby-mb", default=2048, show_default=True, type=int,
               help="Memory all standbys together may hold; the oldest are released first.")
+@click.option("--disk-mb", default=DEFAULT_DISK_MB, show_default=True, type=click.IntRange(min=64),
+              help="Each sandbox's disk (its writable layer, a sparse image on this host) in MiB, when its template "
+                   "names none: a fuller disk is ENOSPC for the writer (docs/design/sandbox-disk.md).")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
@@ -43,7 +46,8 @@ from .common import Command, home_option
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
-          gateway_port: int, standby_seconds: int, standby_mb: int, reap_on_exit: bool, runtime_kind: str,
+          gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, reap_on_exit: bool,
+          runtime_kind: str,
           log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
@@ -70,6 +74,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
+                          disk_mb=disk_mb,
                           runtime=runtime_kind)
     try:
         import uvloop

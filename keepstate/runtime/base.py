@@ -21,6 +21,9 @@ class Limits:
     cpu: float = 2.0
     memory_mb: int = 512
     pids: int = 1024
+    # The writable layer's disk quota (docs/design/sandbox-disk.md); 0: the layer lives in memory, as for
+    # sandboxes (and their checkpoints) from before the disk.
+    disk_mb: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,7 @@ from keepstate.runtime.base import RuntimeFailure
 
 SETTLE = 0.05  # after closing connections, before a checkpoint: the sandbox's netstack sees the closes
 HOST_CALL_TIMEOUT = aiohttp.ClientTimeout(total=30)
+FILES_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=120)  # a pause's files: any size
 
 
 class Quiesced(Exception):
@@ -159,6 +161,36 @@ class AgentClient:
             if r.status != 200:
                 return r.status, (await r.text())[:200]
             return r.status, await r.json(content_type=None)
+
+    async def export_files(self, sandbox_id: str, address: str, token: str, dest: Path) -> int:
+        """The sandbox's files as changes against its template (agent/files_archive.py), into `dest`; their size.
+        An incomplete stream (the agent failed midway) raises: nothing partial is ever kept."""
+        size = 0
+        async with self._call(sandbox_id) as http, \
+                http.get(agent_url(address) + "/keepstate/files", headers={"X-Access-Token": token},
+                         timeout=FILES_TIMEOUT) as r:
+            if r.status != 200:
+                raise RuntimeFailure(f"agent of {sandbox_id} refused to export its files: {r.status} "
+                                     f"{(await r.text())[:300]}")
+            with open(dest, "wb") as out:
+                async for chunk in r.content.iter_chunked(1 << 20):
+                    await asyncio.to_thread(out.write, chunk)
+                    size += len(chunk)
+        return size
+
+    async def apply_files(self, sandbox_id: str, address: str, archive: Path) -> int:
+        """Apply an export to a freshly booted sandbox (before /init); how many entries it held."""
+        async def body() -> AsyncIterator[bytes]:
+            with open(archive, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    yield chunk
+
+        async with self._call(sandbox_id) as http, \
+                http.put(agent_url(address) + "/keepstate/files", data=body(), timeout=FILES_TIMEOUT) as r:
+            if r.status != 200:
+                raise RuntimeFailure(f"agent of {sandbox_id} could not apply its files: {r.status} "
+                                     f"{(await r.text())[:300]}")
+            return int((await r.json()).get("entries", 0))
 
     # -- the router's requests -----------------------------------------------------------------------------------
     async def admit(self, sandbox_id: str, timeout: float = 120) -> None:

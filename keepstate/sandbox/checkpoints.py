@@ -27,7 +27,7 @@ from keepstate.store.ids import new_checkpoint_id
 from keepstate.template.builder import Built
 
 from .agent_client import AgentClient
-from .durable import Durability
+from .durable import FILES_ARCHIVE, Durability, has_memory
 from .gateway_runs import GatewayRuns
 from .instances import RESTORED_AGENT_TIMEOUT, Instances, handle_of
 from .record import Instance, SandboxRow
@@ -35,6 +35,11 @@ from .state import State
 
 log = logging.getLogger("keepstate.sandbox")
 MAX_FORKS = 20
+
+
+def row_limits(row: SandboxRow) -> Limits:
+    """The limits a sandbox was created with, for a new instance of it (its disk as its images need)."""
+    return Limits(cpu=row.cpu, memory_mb=row.memory_mb, disk_mb=row.settings.disk_mb)
 
 
 def new_sandbox_id() -> str:
@@ -100,9 +105,34 @@ class Checkpoints:
         return manifest
 
     async def _ingest(self, row: SandboxRow, image: Path, kind: str, parent_id: str | None, ref: EventRef | None,
-                      checkpoint_id: str) -> Manifest:
+                      checkpoint_id: str, memory: bool = True) -> Manifest:
         return await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
-                                       event=ref, checkpoint_id=checkpoint_id)
+                                       event=ref, checkpoint_id=checkpoint_id, memory=memory)
+
+    async def take_files(self, row: SandboxRow) -> Manifest:
+        """A filesystem-only pause's checkpoint: the agent's export of the sandbox's files (its processes stopped
+        meanwhile, continued after), ingested as `files.tar`. The instance is left running; the caller tears it
+        down once the checkpoint is published."""
+        session = row.session_id
+        parent_id = row.settings.checkpoint_id
+        checkpoint_id = new_checkpoint_id()
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, "pause")
+        spool = self.durable.files_spool()
+        started = time.monotonic()
+        try:
+            size = await self.agents.export_files(row.sandbox_id, row.address, row.access_token,
+                                                  spool / FILES_ARCHIVE)
+            exported = time.monotonic()
+            manifest = await self._ingest(row, spool, "pause", parent_id, ref, checkpoint_id, memory=False)
+        except BaseException as exc:
+            shutil.rmtree(spool, ignore_errors=True)
+            if isinstance(exc, Exception):
+                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+            raise
+        self.recorder.checkpoint_published(session, checkpoint_id, parent_id, "pause", ref)
+        log.info("filesystem checkpoint %s of %s: %d bytes exported in %.0f ms, ingest %.0f ms", checkpoint_id,
+                 row.sandbox_id, size, (exported - started) * 1000, (time.monotonic() - exported) * 1000)
+        return manifest
 
     # -- resume ------------------------------------------------------------------------------------------------
     async def thaw(self, row: SandboxRow, standby: Instance, timeout: int) -> bool:
@@ -131,17 +161,25 @@ class Checkpoints:
         manifest = await asyncio.to_thread(self.durable.manifest, checkpoint_id)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
+        memory = has_memory(manifest)
         try:
-            handle, slot = await self.instances.restore(image, built, Limits(cpu=row.cpu, memory_mb=row.memory_mb))
+            if memory:
+                handle, slot = await self.instances.restore(image, built, row_limits(row))
+            else:
+                handle, slot = await self.instances.boot(built, row_limits(row))
+            assert handle.endpoint is not None
+            fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
+            try:
+                await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
+                if not memory:  # a cold boot: its files, then everything /init sets for a sandbox handed out
+                    await self.agents.apply_files(row.sandbox_id, fresh.address, image / FILES_ARCHIVE)
+                    await self.instances.wait_services(fresh, built)
+                    await self.instances.init_agent(fresh, self.gateway.env(fresh))
+            except BaseException:
+                await self.instances.reap(fresh, keep_row=True)
+                raise
         finally:
             shutil.rmtree(image, ignore_errors=True)
-        assert handle.endpoint is not None
-        fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
-        try:
-            await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
-        except BaseException:
-            await self.instances.reap(fresh, keep_row=True)
-            raise
         row.runtime_name, row.slot, row.address = fresh.runtime_name, fresh.slot, fresh.address
         row.template_digest = built.digest
         row.end_at = time.time() + timeout
@@ -177,8 +215,7 @@ class Checkpoints:
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
                          api_key_id: str | None) -> SandboxRow:
-        handle, slot = await self.instances.restore(image, built, Limits(cpu=parent.cpu,
-                                                                         memory_mb=parent.memory_mb))
+        handle, slot = await self.instances.restore(image, built, row_limits(parent))
         assert handle.endpoint is not None
         now = time.time()
         child_id = new_sandbox_id()

@@ -132,13 +132,19 @@ class Durability:
                 pass
         return self.images
 
+    def files_spool(self) -> Path:
+        """A fresh folder for a filesystem-only pause's files (on disk: they may be larger than memory)."""
+        return Path(tempfile.mkdtemp(prefix="files-", dir=self.images))
+
     def ingest(self, row: SandboxRow, image: Path, *, kind: str, parent_id: str | None,
-               event: EventRef | None, checkpoint_id: str) -> Manifest:
+               event: EventRef | None, checkpoint_id: str, memory: bool = True) -> Manifest:
         # Every image file, memory included, gets content-defined chunks: gVisor writes a memory file's
         # committed pages in allocation order, so between two checkpoints the same pages move by whole pages
         # and fixed blocks would miss almost all of them (measured: benchmarks/checkpoint.py).
         files = [ImageFile(p.name, p, "file") for p in sorted(image.iterdir()) if p.is_file()]
         labels = {"kind": kind, "sandbox": json.dumps(portable(row), sort_keys=True)}
+        if not memory:
+            labels["memory"] = "false"  # files only (files.tar): restored by a cold boot, never by runsc
         meta = CheckpointMeta(
             session_id=row.session_id, checkpoint_id=checkpoint_id, parent_id=parent_id,
             template_id=row.template_id, template_digest=row.template_digest, runsc_release=self.release,
@@ -166,9 +172,10 @@ class Durability:
         """The local build with the checkpoint's template digest; refuse clearly if there is none."""
         meta = manifest.meta
         built = self.templates.find_by_digest(meta.template_id, meta.template_digest)
-        host = HostFacts(runsc_release=self.release,
+        files_only = not has_memory(manifest)  # no runsc image: another runsc release or CPU can boot it
+        host = HostFacts(runsc_release=meta.runsc_release if files_only else self.release,
                          template_digest=built.digest if built else latest_digest(self.templates, meta.template_id),
-                         cpu_features=self.cpu_features)
+                         cpu_features=meta.cpu_features if files_only else self.cpu_features)
         problems = restore_problems(manifest, host)
         if problems:
             raise Refused(f"checkpoint {manifest.checkpoint_id} cannot be restored on this host: "
@@ -194,6 +201,12 @@ class Durability:
         return found[-1] if found else None
 
 
+def has_memory(manifest: Manifest) -> bool:
+    """False for a filesystem-only pause's checkpoint (its one file is files.tar)."""
+    return manifest.meta.labels.get("memory") != "false"
+
+
+FILES_ARCHIVE = "files.tar"  # the image file of a filesystem-only checkpoint
 CAPTURE_MARGIN = 64 << 20  # beyond the image's size: what runsc checkpoint itself needs in the sandbox's cgroup
 HOME_MARK = ".home"  # in each server's folder in RAM: the data directory it belongs to
 

@@ -76,6 +76,19 @@ class Instances:
             raise
         return row
 
+    async def boot(self, built: Built, limits: Limits) -> tuple[Handle, int]:
+        """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; its agent
+        answers, but has had no /init."""
+        slot = self.slots.alloc()
+        spec = self.spec(built, limits)
+        try:
+            self.slots.bind(slot, spec.name)
+            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        return handle, slot
+
     async def restore(self, image: Path, built: Built, limits: Limits) -> tuple[Handle, int]:
         """A new instance from a materialised image (which stays: forks share one); its slot bound to it."""
         slot = self.slots.alloc()

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
 from keepstate.errors import BadRequest, NotFound, Unavailable, Unsupported
 from keepstate.runtime.base import Limits, Runtime
@@ -66,6 +67,8 @@ class CreateRequest:
     auto_pause: bool = False
     cpu: float | None = None
     memory_mb: int | None = None
+    disk_mb: int | None = None  # our extension (`diskSizeMB`)
+    auto_pause_memory: bool = True  # false: a timeout's auto-pause keeps the files only
     allow_internet_access: bool | None = None
     gateway: bool = True  # our extension: false keeps the metering gateway's variables out
 
@@ -84,7 +87,7 @@ class SandboxManager:
     def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
-                 standby_mb: int = 2048) -> None:
+                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -92,6 +95,7 @@ class SandboxManager:
         self.durable = durable
         self.host_name = host_name
         self.pool_size = pool_size
+        self.disk_mb = disk_mb
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
         self.instances = Instances(catalog, runtime, self.slots, self.agents, templates)
@@ -228,7 +232,7 @@ class SandboxManager:
         so that a create that brings no env vars of its own only has to claim it."""
         built = await self._built(template)
         d = built.defaults
-        row = await self.instances.start(built, Limits(cpu=d.cpu, memory_mb=d.memory_mb))
+        row = await self.instances.start(built, self._limits(built))
         row.access_token = secrets.token_hex(16)
         row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir)
         try:
@@ -247,10 +251,10 @@ class SandboxManager:
             return await self._create_from_snapshot(snap, req, api_key_id)
         built = await self._built(req.template_id)
         d = built.defaults
-        limits = Limits(cpu=req.cpu or d.cpu, memory_mb=req.memory_mb or d.memory_mb)
+        limits = self._limits(built, req)
         pool = self.pool(built)
         pool.start()
-        row = pool.take() if limits == Limits(cpu=d.cpu, memory_mb=d.memory_mb) else None
+        row = pool.take() if limits == self._limits(built) else None
         if row is None:
             row = await self.instances.start(built, limits)
         require(Command.CREATE, row.state, row.sandbox_id)
@@ -262,8 +266,9 @@ class SandboxManager:
         row.api_key_id = api_key_id
         row.settings = Settings(session_id=row.sandbox_id, metadata=dict(req.metadata), env_vars=dict(req.env_vars),
                                 template_env=dict(d.env), auto_pause=req.auto_pause,
+                                auto_pause_memory=req.auto_pause_memory,
                                 allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                gateway=req.gateway)
+                                gateway=req.gateway, disk_mb=limits.disk_mb)
         row.state = State.RUNNING
         try:
             env = self.gateway.env(row)
@@ -278,6 +283,13 @@ class SandboxManager:
         self.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
                               agent_url=agent_url(row.address), token=row.access_token)
         return row
+
+    def _limits(self, built: Built, req: CreateRequest | None = None) -> Limits:
+        """A new sandbox's limits: the request's, else its template's, else (the disk) the server's."""
+        d = built.defaults
+        ask = req or CreateRequest(template_id=built.name)
+        return Limits(cpu=ask.cpu or d.cpu, memory_mb=ask.memory_mb or d.memory_mb,
+                      disk_mb=ask.disk_mb or d.disk_mb or self.disk_mb)
 
     async def _create_from_snapshot(self, snap: dict[str, Any], req: CreateRequest,
                                     api_key_id: str | None) -> SandboxRow:
@@ -315,9 +327,11 @@ class SandboxManager:
 
     async def _expire(self, row: SandboxRow) -> None:
         if row.settings.auto_pause:
-            log.info("sandbox %s reached its timeout; pausing it (autoPause)", row.sandbox_id)
+            files_only = not row.settings.auto_pause_memory and bool(row.settings.disk_mb)
+            log.info("sandbox %s reached its timeout; pausing it (autoPause%s)", row.sandbox_id,
+                     ", files only" if files_only else "")
             try:
-                await self._pause(row)
+                await (self._pause_files(row) if files_only else self._pause(row))
                 return
             except Exception as exc:  # never lose it silently: a failed pause leaves it running
                 log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
@@ -385,18 +399,39 @@ class SandboxManager:
             row.runtime_name, row.slot, row.address = "", -1, ""
             self._set(row, State.PAUSED)
             raise
+        row.settings.files_only = False
         self._set(row, State.RUNNING)
         assert row.settings.checkpoint_id is not None
         self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
                               agent_url=agent_url(row.address), token=row.access_token, source=source)
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> str:
-        if not memory:
-            self.get(sandbox_id)  # an unknown sandbox is still a 404
-            raise Unsupported("a filesystem-only pause (memory: false) is not supported by the gVisor runtime: "
-                              "its root filesystem lives in the sandbox's memory; pause with memory instead")
-        async with self._command(sandbox_id, Command.PAUSE) as row:
-            return await self._pause(row)
+        async with self._command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM) as row:
+            return await (self._pause(row) if memory else self._pause_files(row))
+
+    async def _pause_files(self, row: SandboxRow) -> str:
+        """Keep the files, drop the memory: the instance is torn down once its files are published; a resume
+        cold-boots a new one with them (docs/design/sandbox-disk.md)."""
+        if not row.settings.disk_mb:
+            raise Unsupported(f"sandbox {row.sandbox_id} keeps its files in memory (it was started by a release "
+                              "before the disk): it can only pause with memory")
+        self._set(row, State.PAUSING)
+        self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
+        try:
+            manifest = await self.checkpoints.take_files(row)
+        except BaseException:
+            self._set(row, State.RUNNING)
+            raise
+        instance = row.instance()
+        row.settings.checkpoint_id = manifest.checkpoint_id
+        row.settings.files_only = True
+        row.settings.retired = instance  # torn down in the background; a server killed meanwhile reaps it
+        retired = row.with_instance(instance)
+        row.runtime_name, row.address, row.slot = "", "", -1
+        self._set(row, State.PAUSED)
+        self.recorder.paused(row.session_id, manifest.checkpoint_id, False)
+        self.instances.in_background(self._retire(row.sandbox_id, retired))
+        return manifest.checkpoint_id
 
     async def _pause(self, row: SandboxRow) -> str:
         self._set(row, State.PAUSING)

@@ -38,6 +38,7 @@ class Settings:
     env_vars: dict[str, str] = field(default_factory=dict)
     template_env: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
+    auto_pause_memory: bool = True  # false: a timeout's auto-pause is filesystem-only
     allow_internet_access: bool | None = None
     user: str = "user"
     workdir: str = "/home/user"
@@ -45,6 +46,8 @@ class Settings:
     gateway_token: str | None = None
     checkpoint_id: str | None = None  # its latest checkpoint (pause, snapshot or fork)
     forked_from: str | None = None
+    disk_mb: int = 0  # the writable layer's disk quota; 0: in memory (sandboxes from before the disk)
+    files_only: bool = False  # paused without memory: a resume cold-boots it with its files
     standby: Instance | None = None  # paused: the frozen instance kept for a quick thaw
     retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
 
@@ -73,10 +76,12 @@ class Settings:
             env_vars=dict(pick("env_vars", "envVars", default={}) or {}),
             template_env=dict(pick("template_env", "templateEnv", default={}) or {}),
             auto_pause=bool(pick("auto_pause", "autoPause", default=False)),
+            auto_pause_memory=bool(pick("auto_pause_memory", default=True)),
             allow_internet_access=pick("allow_internet_access", "allowInternetAccess"),
             user=str(pick("user", default="user")), workdir=str(pick("workdir", default="/home/user")),
             gateway=bool(pick("gateway", default=True)), gateway_token=pick("gateway_token", "gatewayToken"),
             checkpoint_id=pick("checkpoint_id", "checkpointId"), forked_from=pick("forked_from", "forkedFrom"),
+            disk_mb=int(pick("disk_mb", default=0) or 0), files_only=bool(pick("files_only", default=False)),
             standby=instance("standby"), retired=instance("retired"),
         )
 

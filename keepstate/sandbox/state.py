@@ -56,7 +56,7 @@ LEGAL: dict[Command, frozenset[State]] = {
     Command.CONNECT: frozenset({State.RUNNING, State.PAUSED}),
     Command.RESUME: frozenset({State.PAUSED}),
     Command.PAUSE: frozenset({State.RUNNING}),
-    Command.PAUSE_FILESYSTEM: frozenset(),  # 501 everywhere: the root filesystem lives in the sandbox's memory
+    Command.PAUSE_FILESYSTEM: frozenset({State.RUNNING}),
     Command.SNAPSHOT: frozenset({State.RUNNING}),
     Command.FORK: frozenset({State.RUNNING}),
     Command.KILL: frozenset({State.RUNNING, State.PAUSED}),
@@ -103,7 +103,7 @@ def require(command: Command, state: State, sandbox_id: str) -> None:
         return
     if state in (State.KILLED, State.KILLING) or (state == State.POOLED and command != Command.CREATE):
         raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-    if command == Command.PAUSE and state == State.PAUSED:
+    if command in (Command.PAUSE, Command.PAUSE_FILESYSTEM) and state == State.PAUSED:
         raise Conflict(f"Error pausing sandbox - sandbox '{sandbox_id}' is already paused")
     if command == Command.RESUME and state == State.RUNNING:
         raise Conflict(f"sandbox '{sandbox_id}' is already running")

@@ -61,6 +61,7 @@ class Defaults:
     cpu: float = 2.0
     memory_mb: int = 512
     env: dict[str, str] = field(default_factory=dict)
+    disk_mb: int = 0  # the sandbox's disk quota; 0: the server's (`keepstate serve --disk-mb`)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ class Definition:
         return {
             "name": self.name, "parent": self.parent, "suite": self.suite, "variant": self.variant,
             "apt": self.apt, "pip": self.pip, "npm": self.npm, "run": self.run, "files": self.files,
-            "defaults": self.defaults.__dict__, "services": [s.__dict__ for s in self.services],
+            # disk_mb only when set: a definition that names none keeps the digest it had before the field.
+            "defaults": {k: v for k, v in self.defaults.__dict__.items() if k != "disk_mb" or v},
+            "services": [s.__dict__ for s in self.services],
         }
 
 
@@ -106,7 +109,7 @@ def parse(path: Path) -> Definition:
     d = data.get("defaults", {})
     defaults = Defaults(
         user=str(d.get("user", "user")), workdir=str(d.get("workdir", "/home/user")),
-        cpu=float(d.get("cpu", 2)), memory_mb=int(d.get("memory_mb", 512)),
+        cpu=float(d.get("cpu", 2)), memory_mb=int(d.get("memory_mb", 512)), disk_mb=int(d.get("disk_mb", 0)),
         env={str(k): str(v) for k, v in d.get("env", {}).items()},
     )
     services = [

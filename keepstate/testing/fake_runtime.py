@@ -232,7 +232,21 @@ class _Handler(BaseHTTPRequestHandler):
                 if data is None:
                     return self._json(404, {"code": 404, "message": f"path '{query.get('path')}' does not exist"})
                 return self._send(200, data, "application/octet-stream")
+            if url.path == "/keepstate/files":  # a filesystem-only pause: the fake's files (not a tar)
+                return self._send(200, json.dumps(st.to_json()["files"]).encode(), "application/x-tar")
         self._json(404, {"code": 404, "message": f"no such path {url.path}"})
+
+    def do_PUT(self) -> None:  # noqa: N802
+        if not self._gate():
+            return
+        agent = self.server.agent
+        body = self._body()
+        if urlsplit(self.path).path == "/keepstate/files" and self._authorised():
+            files = {p: base64.b64decode(b) for p, b in json.loads(body or b"{}").items()}
+            with agent.lock:
+                agent.state.files.update(files)
+            return self._json(200, {"entries": len(files)})
+        self._json(404, {"code": 404, "message": f"no such path {self.path}"})
 
     def do_POST(self) -> None:  # noqa: N802
         if not self._gate():

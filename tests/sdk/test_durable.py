@@ -127,22 +127,6 @@ def test_connect_to_running_after_resume_is_200_path(new_sandbox) -> None:
     assert again.commands.run("echo ok").stdout == "ok\n"
 
 
-def test_filesystem_only_pause_is_refused_loudly(new_sandbox) -> None:
-    sbx = new_sandbox()
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    import os
-
-    req = urllib.request.Request(os.environ["E2B_API_URL"] + f"/sandboxes/{sbx.sandbox_id}/pause",
-                                 data=b'{"memory": false}', method="POST",
-                                 headers={"X-API-KEY": os.environ["E2B_API_KEY"], "Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        opener.open(req, timeout=30)
-    assert err.value.code == 501
-    body = json.loads(err.value.read())
-    assert body["code"] == 501 and "filesystem-only" in body["message"]
-    assert sbx.is_running()
-
-
 def test_auto_pause_on_timeout(e2b_env) -> None:
     try:
         sbx = Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
