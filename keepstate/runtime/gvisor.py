@@ -80,6 +80,9 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
              "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/opt/keepstate/lib/keepstate", "type": "bind", "source": str(lib_dir),
              "options": ["rbind", "ro"]},
+            # Volumes: served by the gofer (file-access-mounts=shared), outside the checkpoint image.
+            *({"destination": m.destination, "type": "bind", "source": str(m.source), "options": ["rbind", "rw"]}
+              for m in spec.mounts),
         ],
         "linux": {
             "namespaces": [

@@ -132,7 +132,8 @@ class Checkpoints:
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
         try:
-            handle, slot = await self.instances.restore(image, built, Limits(cpu=row.cpu, memory_mb=row.memory_mb))
+            handle, slot = await self.instances.restore(image, built, Limits(cpu=row.cpu, memory_mb=row.memory_mb),
+                                                        self.instances.mounts(row.settings.volume_mounts))
         finally:
             shutil.rmtree(image, ignore_errors=True)
         assert handle.endpoint is not None
@@ -151,6 +152,7 @@ class Checkpoints:
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
                     api_key_id: str | None = None) -> list[Spawned]:
         """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session."""
+        self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
 
@@ -177,8 +179,9 @@ class Checkpoints:
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
                          api_key_id: str | None) -> SandboxRow:
-        handle, slot = await self.instances.restore(image, built, Limits(cpu=parent.cpu,
-                                                                         memory_mb=parent.memory_mb))
+        # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data).
+        handle, slot = await self.instances.restore(image, built, Limits(cpu=parent.cpu, memory_mb=parent.memory_mb),
+                                                    self.instances.mounts(parent.settings.volume_mounts))
         assert handle.endpoint is not None
         now = time.time()
         child_id = new_sandbox_id()

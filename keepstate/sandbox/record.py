@@ -47,6 +47,8 @@ class Settings:
     forked_from: str | None = None
     standby: Instance | None = None  # paused: the frozen instance kept for a quick thaw
     retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
+    # Volumes mounted: [{"name", "path", "volume_id"}] (docs/design/volumes.md); restores need the same mounts.
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -78,6 +80,7 @@ class Settings:
             gateway=bool(pick("gateway", default=True)), gateway_token=pick("gateway_token", "gatewayToken"),
             checkpoint_id=pick("checkpoint_id", "checkpointId"), forked_from=pick("forked_from", "forkedFrom"),
             standby=instance("standby"), retired=instance("retired"),
+            volume_mounts=[dict(m) for m in pick("volume_mounts", "volumeMounts", default=[]) or []],
         )
 
 
