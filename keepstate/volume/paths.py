@@ -309,8 +309,11 @@ class VolumeRoot:
         if length is not None and length > self.free_bytes():
             raise PayloadTooLarge(f"the upload ({length} bytes) exceeds the volume's free space "
                                   f"({self.free_bytes()} bytes)")
-        if len(parts) > 1:
-            self.mkdir(display(parts[:-1]), force=True)
+        try:
+            with self.dir_fd(parts[:-1]):
+                pass
+        except NotFound:
+            self.mkdir(display(parts[:-1]), force=True)  # parents are made, as the sandbox's files.write does
         with self.dir_fd(parts[:-1]) as parent:
             try:
                 st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
