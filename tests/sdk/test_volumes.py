@@ -25,6 +25,8 @@ except ImportError:  # older SDK releases
     Volume = None
 
 pytestmark = pytest.mark.skipif(Volume is None, reason="this e2b SDK release has no Volume API (added after 2.50)")
+# No standbys: a resume is then a real restore of the checkpoint, which must get the volume mounted again.
+EXTRA = ("--reap-on-exit", "--standby-seconds", "0")
 ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_VOLUME_API_URL")
 
 
@@ -32,7 +34,7 @@ ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_VOLUME_API_URL")
 def own(e2b_env: None) -> Iterator[dict[str, Any]]:
     """A server of this module's own (the test restarts it), and the SDK pointed at it, volumes included."""
     home = tempfile.mkdtemp(prefix="keepstate-volumes-")
-    srv = start_server(home, pool=1, extra=("--reap-on-exit",))
+    srv = start_server(home, pool=1, extra=EXTRA)
     srv.key = make_key(home)
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update({"E2B_API_URL": srv.url, "E2B_SANDBOX_URL": srv.url, "E2B_API_KEY": srv.key,
@@ -76,7 +78,7 @@ def restart(state: dict[str, Any]) -> Server:
     old.proc.terminate()  # a clean stop with --reap-on-exit: its sandboxes go, the volumes are unmounted
     old.proc.wait(timeout=120)
     port = urllib.parse.urlparse(old.url).port
-    srv = start_server(state["home"], port=port, pool=1, extra=("--reap-on-exit",))
+    srv = start_server(state["home"], port=port, pool=1, extra=EXTRA)
     srv.key = old.key
     state["server"] = srv
     return srv
@@ -252,3 +254,38 @@ def test_racing_creates_and_a_write_racing_a_destroy(own: dict[str, Any]) -> Non
     with api(srv) as c:
         json_error(c.get(f"/volumes/{vol['volumeID']}"), 404, "not found")
         assert name not in {v["name"] for v in c.get("/volumes").json()}
+
+
+def test_checkpoints_hold_no_volume_data_and_forks_share_the_volume(own: dict[str, Any]) -> None:
+    """A pause, and the checkpoint a fork is made from, keep the sandbox's memory and root filesystem, not the
+    volume: what is written to the volume meanwhile is what the resumed sandbox and the forks see; a fork mounts
+    the same volume (shared, not copied)."""
+    from e2b import Sandbox
+
+    vol = Volume.create(f"ckpt-{uuid.uuid4().hex[:8]}")
+    vol.write_file("/state", "before")
+    sbx = Sandbox.create(timeout=300, volume_mounts={"/mnt/v": vol})
+    forks: list[Any] = []
+    try:
+        sbx.commands.run("echo -n root-before > /home/user/root-file")
+        assert sbx.pause() is True
+        vol.write_file("/state", "written while paused", force=True)
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=300)  # restored from its checkpoint, volume mounted again
+        assert sbx.commands.run("cat /mnt/v/state").stdout == "written while paused"
+        assert sbx.commands.run("cat /home/user/root-file").stdout == "root-before"  # in the checkpoint
+        assert Sandbox.get_info(sbx.sandbox_id).volume_mounts == [{"name": vol.name, "path": "/mnt/v"}]
+        forks = sbx.fork(count=1, timeout=120)
+        fork = forks[0]
+        assert not isinstance(fork, Exception), fork
+        assert Sandbox.get_info(fork.sandbox_id).volume_mounts == [{"name": vol.name, "path": "/mnt/v"}]
+        fork.commands.run("echo -n from-the-fork > /mnt/v/fork-file")
+        assert sbx.commands.run("cat /mnt/v/fork-file").stdout == "from-the-fork"
+        assert vol.read_file("/fork-file") == "from-the-fork"
+        fork.commands.run("echo -n fork-root > /home/user/root-file")  # its root filesystem is its own
+        assert sbx.commands.run("cat /home/user/root-file").stdout == "root-before"
+    finally:
+        for f in forks:
+            if not isinstance(f, Exception):
+                f.kill()
+        sbx.kill()
+    assert Volume.destroy(vol.volume_id) is True
