@@ -27,10 +27,13 @@ from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
+from keepstate.volume import Volumes
+from keepstate.volume.store import DEFAULT_SIZE_MB
 
 from . import control, events, logs
 from . import templates as template_routes
-from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER
+from . import volumes as volume_routes
+from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER, VOLUMES
 from .router import Router, target_of
 from .spec import validating_middleware
 
@@ -55,6 +58,8 @@ class ServerConfig:
     standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
     standby_mb: int = 2048  # memory all standbys together may hold
     runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
+    volume_size_mb: int = DEFAULT_SIZE_MB  # a new volume's quota unless its create says (docs/design/volumes.md)
+    volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
 
 
 def _envd_version() -> str:
@@ -132,6 +137,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     recorder = SessionRecorder(event_log, lineage, poller)
     durable = Durability(config.home, runtime, templates, config.store_url)
     durable.clear_images()
+    volumes = Volumes(config.home, catalog, config.volume_backend, config.volume_size_mb)
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
     if config.gateway_config is not None:
@@ -147,7 +153,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
-                             disk_mb=config.disk_mb)
+                             disk_mb=config.disk_mb, volumes=volumes)
     router = Router(manager)
     keys = KeyCache(catalog)
 
@@ -161,7 +167,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             if row is None:
                 return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
             return await router.handle(request, row.sandbox_id, AGENT_PORT)
-        if request.path != "/health":
+        # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
+        if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX):
             try:
                 request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))
             except KeepStateError as exc:
@@ -175,12 +182,14 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[MANAGER] = manager
     app[CATALOG] = catalog
     app[ENVD_VERSION] = envd_version
+    app[VOLUMES] = volumes
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
     app.add_routes(events.routes)
     app.add_routes(logs.routes)
     app.add_routes(template_routes.routes)
+    app.add_routes(volume_routes.routes)
 
     gateway_runner: list[web.AppRunner] = []
 
@@ -193,11 +202,14 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             for host in (network.GATEWAY_IP, "127.0.0.1"):
                 await web.TCPSite(runner, host, config.gateway_port).start()
             gateway_runner.append(runner)
+        await asyncio.to_thread(volumes.mount_all)  # before adoption: sandboxes mount them
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
         await poller.stop()  # first: its pulls go through the manager's AgentClient
         await manager.stop(reap=config.reap_on_exit)
+        if config.reap_on_exit:  # its sandboxes are gone: leave no loop mount behind (the data stays)
+            await asyncio.to_thread(volumes.unmount_all)
         for runner in gateway_runner:
             await runner.cleanup()
         await router.stop()

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
 
-from keepstate.errors import BadRequest, Unsupported
+from keepstate.errors import BadRequest
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
 from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.state import PUBLIC
@@ -174,16 +174,59 @@ def parse_create(body: Any) -> CreateRequest:
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
-    mounts = body.get("volumeMounts")
-    if mounts is not None and not isinstance(mounts, list):
-        raise BadRequest("`volumeMounts` must be a list of {name, path}")
-    if mounts:  # silently without them, a sandbox would lose what its user meant to keep
-        raise Unsupported("volumes (`volumeMounts`) are not supported by this server yet")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
         env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem, disk_mb=disk,
         auto_pause_memory=pause_memory, allow_internet_access=aia, gateway=gateway,
+        volume_mounts=parse_volume_mounts(body.get("volumeMounts")),
     )
+
+
+MAX_MOUNTS = 16
+# Where the sandbox's own machinery lives: a volume may not cover it, nor sit inside it.
+SYSTEM_PATHS = ("/proc", "/dev", "/sys", "/opt/keepstate")
+
+
+def _under(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top + "/")
+
+
+def parse_volume_mounts(mounts: Any) -> list[tuple[str, str]]:
+    """`volumeMounts: [{name, path}]`: (volume name, normalised absolute path); the volumes' existence is the
+    manager's to check. A path is absolute, not `/`, holds no `.`/`..`, does not cover or sit in a system path,
+    and no two mounts nest."""
+    if mounts is None:
+        return []
+    if not isinstance(mounts, list):
+        raise BadRequest("`volumeMounts` must be a list of {name, path}")
+    if len(mounts) > MAX_MOUNTS:
+        raise BadRequest(f"`volumeMounts` holds at most {MAX_MOUNTS} mounts")
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(mounts):
+        where = f"`volumeMounts[{i}]`"
+        if not isinstance(m, dict) or not isinstance(m.get("name"), str) or not isinstance(m.get("path"), str):
+            raise BadRequest(f"{where} must be an object {{name: string, path: string}}")
+        name, raw = m["name"], m["path"]
+        if not name:
+            raise BadRequest(f"{where}.name must name a volume")
+        if not raw.startswith("/") or "\0" in raw or len(raw) > 1024:
+            raise BadRequest(f"{where}.path must be an absolute path (e.g. /mnt/data), got {raw!r}")
+        parts = [p for p in raw.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise BadRequest(f"{where}.path may not contain `.` or `..`, got {raw!r}")
+        path = "/" + "/".join(parts)
+        if path == "/":
+            raise BadRequest(f"{where}.path may not be `/`")
+        for system in SYSTEM_PATHS:
+            if _under(path, system) or _under(system, path):
+                raise BadRequest(f"{where}.path {path} would cover or sit inside {system}, which the sandbox "
+                                 "needs; choose another (e.g. /mnt/data)")
+        for other_name, other in out:
+            if _under(path, other) or _under(other, path):
+                raise BadRequest(f"{where}.path {path} is at or inside the mount {other} (of {other_name!r}); "
+                                 "mounts may not nest")
+        out.append((name, path))
+    return out
 
 
 def parse_timeout_body(body: Any, required: bool) -> int:
@@ -306,6 +349,7 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
         "envdVersion": envd_version, "cpuCount": max(1, int(row.cpu)), "memoryMB": row.memory_mb,
         "diskSizeMB": row.settings.disk_mb, "state": PUBLIC.get(row.state, "running"),
         "metadata": dict(row.settings.metadata),
+        "volumeMounts": [{"name": m["name"], "path": m["path"]} for m in row.settings.volume_mounts],
     }
 
 

@@ -37,6 +37,13 @@ from .common import Command, home_option
 @click.option("--disk-mb", default=DEFAULT_DISK_MB, show_default=True, type=click.IntRange(min=64),
               help="Each sandbox's disk (its writable layer, a sparse image on this host) in MiB, when its template "
                    "names none: a fuller disk is ENOSPC for the writer (docs/design/sandbox-disk.md).")
+@click.option("--volume-size-mb", default=1024, show_default=True, type=click.IntRange(16, 1 << 20),
+              help="Quota of a new volume (E2B's Volume.create sends no size; POST /volumes may carry `sizeMB`). "
+                   "A sandbox that fills its volume gets ENOSPC; the content API answers 413.")
+@click.option("--volume-backend", default="ext4", show_default=True, type=click.Choice(["ext4", "dir"]),
+              help="How volumes are kept: `ext4`, one sparse loop-mounted ext4 image per volume (needs root and "
+                   "loop devices; the quota holds for sandboxes too), or `dir`, plain directories (the quota "
+                   "holds for the content API only). docs/design/volumes.md")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
@@ -46,9 +53,8 @@ from .common import Command, home_option
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
-          gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, reap_on_exit: bool,
-          runtime_kind: str,
-          log_level: str) -> None:
+          gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, volume_size_mb: int,
+          volume_backend: str, reap_on_exit: bool, runtime_kind: str, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -74,8 +80,8 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
-                          disk_mb=disk_mb,
-                          runtime=runtime_kind)
+                          disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
+                          volume_backend=volume_backend)
     try:
         import uvloop
 

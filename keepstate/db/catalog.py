@@ -1,4 +1,4 @@
-"""The catalog: API keys and sandboxes, in SQLite (WAL) behind a small interface.
+"""The catalog: API keys, sandboxes, snapshots and volumes, in SQLite (WAL) behind a small interface.
 
 Everything the server must remember across a crash lives here, so a server killed with
 SIGKILL and started again re-adopts every live sandbox. The interface is narrow on purpose
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keepstate.errors import Conflict
 from keepstate.sandbox.record import SandboxRow, Settings
 from keepstate.sandbox.state import State
+from keepstate.volume.record import VolumeRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -54,6 +56,13 @@ CREATE TABLE IF NOT EXISTS snapshots (
     checkpoint_id TEXT NOT NULL,
     sandbox_id TEXT NOT NULL,
     template_id TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS volumes (
+    volume_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    token TEXT NOT NULL,
+    size_mb INTEGER NOT NULL,
     created_at REAL NOT NULL
 );
 """
@@ -205,6 +214,35 @@ class Catalog:
     def _snapshot(r: sqlite3.Row) -> dict[str, Any]:
         return {"snapshot_id": r["snapshot_id"], "names": json.loads(r["names"]), "checkpoint_id": r["checkpoint_id"],
                 "sandbox_id": r["sandbox_id"], "template_id": r["template_id"], "created_at": r["created_at"]}
+
+    # -- volumes (docs/design/volumes.md) ----------------------------------------------------------------------
+    def put_volume(self, v: VolumeRecord) -> None:
+        """Record a new volume; Conflict when its name is taken (the UNIQUE constraint decides a race)."""
+        try:
+            self._q("INSERT INTO volumes (volume_id,name,token,size_mb,created_at) VALUES (?,?,?,?,?)",
+                    (v.volume_id, v.name, v.token, v.size_mb, v.created_at))
+        except sqlite3.IntegrityError:
+            raise Conflict(f"a volume named '{v.name}' exists") from None
+
+    def get_volume(self, volume_id: str) -> VolumeRecord | None:
+        rows = self._q("SELECT * FROM volumes WHERE volume_id=?", (volume_id,))
+        return self._volume(rows[0]) if rows else None
+
+    def volume_by_name(self, name: str) -> VolumeRecord | None:
+        rows = self._q("SELECT * FROM volumes WHERE name=?", (name,))
+        return self._volume(rows[0]) if rows else None
+
+    def volumes(self) -> list[VolumeRecord]:
+        return [self._volume(r) for r in self._q("SELECT * FROM volumes ORDER BY created_at, volume_id")]
+
+    def delete_volume(self, volume_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM volumes WHERE volume_id=?", (volume_id,)).rowcount > 0
+
+    @staticmethod
+    def _volume(r: sqlite3.Row) -> VolumeRecord:
+        return VolumeRecord(volume_id=r["volume_id"], name=r["name"], token=r["token"], size_mb=r["size_mb"],
+                            created_at=r["created_at"])
 
     def used_slots(self) -> set[int]:
         return {r["slot"] for r in self._q("SELECT slot FROM sandboxes WHERE slot >= 0")}

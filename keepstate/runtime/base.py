@@ -35,6 +35,15 @@ class TemplateRoot:
     rootfs: Path
 
 
+@dataclass(frozen=True)
+class Mount:
+    """A host directory bind-mounted read-write into the sandbox at `destination` (a volume,
+    docs/design/volumes.md). Not part of a checkpoint image: a restore must be given the same mounts."""
+
+    source: Path
+    destination: str
+
+
 @dataclass
 class SandboxSpec:
     """What to start. `name` is the runtime-level name, unique on this host."""
@@ -43,6 +52,7 @@ class SandboxSpec:
     template: TemplateRoot
     limits: Limits
     hostname: str = "sandbox"
+    mounts: tuple[Mount, ...] = ()
 
 
 @dataclass

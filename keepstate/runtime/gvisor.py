@@ -90,6 +90,9 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
              "options": ["rbind", "ro"]},
             {"destination": TEMPLATE_VIEW, "type": "bind", "source": str(spec.template.rootfs),
              "options": ["rbind", "ro"]},
+            # Volumes: served by the gofer (file-access-mounts=shared), outside the checkpoint image.
+            *({"destination": m.destination, "type": "bind", "source": str(m.source), "options": ["rbind", "rw"]}
+              for m in spec.mounts),
         ],
         "linux": {
             "namespaces": [

@@ -162,11 +162,12 @@ class Checkpoints:
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
         memory = has_memory(manifest)
+        mounts = self.instances.mounts(row.settings.volume_mounts)
         try:
             if memory:
-                handle, slot = await self.instances.restore(image, built, row_limits(row))
+                handle, slot = await self.instances.restore(image, built, row_limits(row), mounts)
             else:
-                handle, slot = await self.instances.boot(built, row_limits(row))
+                handle, slot = await self.instances.boot(built, row_limits(row), mounts)
             assert handle.endpoint is not None
             fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
             try:
@@ -189,6 +190,7 @@ class Checkpoints:
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
                     api_key_id: str | None = None) -> list[Spawned]:
         """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session."""
+        self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
 
@@ -215,7 +217,9 @@ class Checkpoints:
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
                          api_key_id: str | None) -> SandboxRow:
-        handle, slot = await self.instances.restore(image, built, row_limits(parent))
+        # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data).
+        handle, slot = await self.instances.restore(image, built, row_limits(parent),
+                                                    self.instances.mounts(parent.settings.volume_mounts))
         assert handle.endpoint is not None
         now = time.time()
         child_id = new_sandbox_id()

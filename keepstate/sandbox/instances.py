@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from keepstate.db.catalog import Catalog
-from keepstate.runtime.base import Handle, Limits, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
+from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
 from keepstate.template.builder import Built
+from keepstate.volume import Volumes
 
 from .agent_client import AgentClient, agent_url
 from .record import SandboxRow
@@ -42,22 +43,33 @@ def new_runtime_name() -> str:
 
 class Instances:
     def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
-                 templates: Templates) -> None:
+                 templates: Templates, volumes: Volumes | None = None) -> None:
         self.catalog = catalog
+        self.volumes = volumes
         self.runtime = runtime
         self.slots = slots
         self.agents = agents
         self.templates = templates
         self._background: set[asyncio.Task[None]] = set()
 
-    def spec(self, built: Built, limits: Limits, name: str | None = None) -> SandboxSpec:
+    def spec(self, built: Built, limits: Limits, name: str | None = None,
+             mounts: tuple[Mount, ...] = ()) -> SandboxSpec:
         return SandboxSpec(name=name or new_runtime_name(), template=TemplateRoot(built.name, built.digest,
-                                                                                   built.rootfs), limits=limits)
+                                                                                   built.rootfs), limits=limits,
+                           mounts=mounts)
 
-    async def start(self, built: Built, limits: Limits) -> SandboxRow:
+    def mounts(self, volume_mounts: list[dict[str, str]]) -> tuple[Mount, ...]:
+        """The bind mounts of a sandbox's volumes (Settings.volume_mounts); Refused when one is gone."""
+        if not volume_mounts:
+            return ()
+        if self.volumes is None:
+            raise RuntimeFailure("this server has no volume store, yet a sandbox mounts volumes")
+        return tuple(Mount(self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts)
+
+    async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> SandboxRow:
         """A new instance of a template build, agent answering and services listening, as a POOLED row."""
         slot = self.slots.alloc()
-        spec = self.spec(built, limits)
+        spec = self.spec(built, limits, mounts=mounts)
         now = time.time()
         row = SandboxRow(sandbox_id=spec.name, state=State.POOLED, template_id=built.name,
                          template_digest=built.digest, runtime_name=spec.name, slot=slot, address="",
@@ -76,11 +88,11 @@ class Instances:
             raise
         return row
 
-    async def boot(self, built: Built, limits: Limits) -> tuple[Handle, int]:
+    async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; its agent
         answers, but has had no /init."""
         slot = self.slots.alloc()
-        spec = self.spec(built, limits)
+        spec = self.spec(built, limits, mounts=mounts)
         try:
             self.slots.bind(slot, spec.name)
             handle = await asyncio.to_thread(self.runtime.create, spec, slot)
@@ -89,10 +101,12 @@ class Instances:
             raise
         return handle, slot
 
-    async def restore(self, image: Path, built: Built, limits: Limits) -> tuple[Handle, int]:
-        """A new instance from a materialised image (which stays: forks share one); its slot bound to it."""
+    async def restore(self, image: Path, built: Built, limits: Limits,
+                      mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
+        """A new instance from a materialised image (which stays: forks share one); its slot bound to it. `mounts`
+        must be those the checkpointed instance had (its volumes)."""
         slot = self.slots.alloc()
-        spec = self.spec(built, limits)
+        spec = self.spec(built, limits, mounts=mounts)
         try:
             self.slots.bind(slot, spec.name)
             handle = await asyncio.to_thread(self.runtime.restore, spec, image, slot)

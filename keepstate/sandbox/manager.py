@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
-from keepstate.errors import BadRequest, NotFound, Unavailable, Unsupported
+from keepstate.errors import BadRequest, NotFound, Refused, Unavailable, Unsupported
 from keepstate.runtime.base import Limits, Runtime
 from keepstate.session import SessionRecorder
 from keepstate.session.journal import JournalBusy
 from keepstate.store import Manifest
 from keepstate.template.builder import Built
+from keepstate.volume import Volumes
 
 from . import adopt, loops
 from .agent_client import AgentClient, Quiesced, agent_url
@@ -71,6 +72,7 @@ class CreateRequest:
     auto_pause_memory: bool = True  # false: a timeout's auto-pause keeps the files only
     allow_internet_access: bool | None = None
     gateway: bool = True  # our extension: false keeps the metering gateway's variables out
+    volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
@@ -87,7 +89,7 @@ class SandboxManager:
     def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
-                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB) -> None:
+                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -98,7 +100,8 @@ class SandboxManager:
         self.disk_mb = disk_mb
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
-        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates)
+        self.volumes = volumes
+        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates, volumes)
         self.gateway = GatewayRuns(gateway, gateway_url)
         self.checkpoints = Checkpoints(self.instances, durable, recorder, self.agents, self.gateway, runtime,
                                        host_name)
@@ -243,7 +246,23 @@ class SandboxManager:
         self.catalog.put_sandbox(row)
         return row
 
+    def volume_users(self, volume_id: str) -> list[str]:
+        """The listed sandboxes (running, paused, on their way) that mount a volume."""
+        return [r.sandbox_id for r in self.records.values()
+                if listed(r.state) and any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
+
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
+        if not req.volume_mounts or self.find_snapshot(req.template_id) is not None:
+            return await self._create(req, api_key_id, [])
+        if self.volumes is None:
+            raise Unsupported("this server has no volume store")
+        with self.volumes.pinned(name for name, _ in req.volume_mounts) as found:
+            mounts = [{"name": name, "path": path, "volume_id": found[name].volume_id}
+                      for name, path in req.volume_mounts]
+            return await self._create(req, api_key_id, mounts)
+
+    async def _create(self, req: CreateRequest, api_key_id: str | None,
+                      volume_mounts: list[dict[str, str]]) -> SandboxRow:
         if req.timeout <= 0:
             raise BadRequest("`timeout` must be a positive number of seconds")
         snap = self.find_snapshot(req.template_id)
@@ -254,9 +273,11 @@ class SandboxManager:
         limits = self._limits(built, req)
         pool = self.pool(built)
         pool.start()
-        row = pool.take() if limits == self._limits(built) else None
+        # A pooled sandbox has no volumes: a create with mounts starts a fresh instance with them.
+        pooled = limits == self._limits(built) and not volume_mounts
+        row = pool.take() if pooled else None
         if row is None:
-            row = await self.instances.start(built, limits)
+            row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
         require(Command.CREATE, row.state, row.sandbox_id)
         old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
         now = time.time()
@@ -268,7 +289,7 @@ class SandboxManager:
                                 template_env=dict(d.env), auto_pause=req.auto_pause,
                                 auto_pause_memory=req.auto_pause_memory,
                                 allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                gateway=req.gateway, disk_mb=limits.disk_mb)
+                                gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts)
         row.state = State.RUNNING
         try:
             env = self.gateway.env(row)
@@ -299,6 +320,10 @@ class SandboxManager:
         settings.metadata = dict(req.metadata)
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
+        theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
+        if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
+            raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "
+                          "sandbox made from it gets exactly those (gVisor restores only onto the same mounts)")
         parent = SandboxRow(sandbox_id=snap["sandbox_id"], state=State.RUNNING, template_id=info["template_id"],
                             template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
                             access_token=info["access_token"], started_at=info["started_at"], end_at=0,

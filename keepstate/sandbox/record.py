@@ -50,6 +50,8 @@ class Settings:
     files_only: bool = False  # paused without memory: a resume cold-boots it with its files
     standby: Instance | None = None  # paused: the frozen instance kept for a quick thaw
     retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
+    # Volumes mounted: [{"name", "path", "volume_id"}] (docs/design/volumes.md); restores need the same mounts.
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -83,6 +85,7 @@ class Settings:
             checkpoint_id=pick("checkpoint_id", "checkpointId"), forked_from=pick("forked_from", "forkedFrom"),
             disk_mb=int(pick("disk_mb", default=0) or 0), files_only=bool(pick("files_only", default=False)),
             standby=instance("standby"), retired=instance("retired"),
+            volume_mounts=[dict(m) for m in pick("volume_mounts", "volumeMounts", default=[]) or []],
         )
 
 

@@ -354,6 +354,9 @@ class FakeRuntime:
         return Handle(inst.spec.name, inst.slot, Endpoint(self.address_of(inst.slot), AGENT_PORT))
 
     def _start(self, spec: SandboxSpec, slot: int, state: AgentState, wedged: bool = False) -> Handle:
+        for m in spec.mounts:  # as runsc: a bind mount's source must be a directory
+            if not m.source.is_dir():
+                raise RuntimeFailure(f"fake runtime: mount source {m.source} of {m.destination} is not a directory")
         with self._lock:
             if spec.name in self._instances:
                 raise RuntimeFailure(f"fake runtime: instance {spec.name} exists")

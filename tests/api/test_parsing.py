@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from keepstate.api import app as app_module
 from keepstate.api import control, events, schemas, spec
 from keepstate.api.keys import ENVD_VERSION, MANAGER
-from keepstate.errors import BadRequest, NotFound, Unsupported
+from keepstate.errors import BadRequest, NotFound
 from keepstate.session import EventLog, Lineage, SessionDB
 
 BAD_BODIES = [
@@ -131,13 +131,24 @@ def test_create_accepts_what_the_contract_allows() -> None:
     assert schemas.parse_create({"templateID": "base", "timeout": 1.9}).timeout == 1
 
 
-def test_create_refuses_volumes_rather_than_ignoring_them() -> None:
-    assert schemas.parse_create({"templateID": "base", "volumeMounts": []}).template_id == "base"
-    assert schemas.parse_create({"templateID": "base", "volumeMounts": None}).template_id == "base"
-    with pytest.raises(Unsupported, match="volumes"):
-        schemas.parse_create({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/data"}]})
-    with pytest.raises(BadRequest):
-        schemas.parse_create({"templateID": "base", "volumeMounts": "v:/data"})
+def test_create_parses_volume_mounts() -> None:
+    assert schemas.parse_create({"templateID": "base", "volumeMounts": []}).volume_mounts == []
+    assert schemas.parse_create({"templateID": "base", "volumeMounts": None}).volume_mounts == []
+    req = schemas.parse_create({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/mnt//data/"},
+                                                                       {"name": "v", "path": "/home/user/v"}]})
+    assert req.volume_mounts == [("v", "/mnt/data"), ("v", "/home/user/v")]
+    bad: list[tuple[Any, str]] = [
+        ("v:/data", "list"), ([{"name": "v"}], "object"), ([{"name": "", "path": "/d"}], "name a volume"),
+        ([{"name": "v", "path": "data"}], "absolute"), ([{"name": "v", "path": "/"}], "may not be `/`"),
+        ([{"name": "v", "path": "/a/../etc"}], r"`\.\.`"), ([{"name": "v", "path": "/proc/x"}], "/proc"),
+        ([{"name": "v", "path": "/opt"}], "/opt/keepstate"), ([{"name": "v", "path": "/dev"}], "/dev"),
+        ([{"name": "v", "path": "/sys/fs"}], "/sys"),
+        ([{"name": "a", "path": "/mnt"}, {"name": "b", "path": "/mnt/b"}], "nest"),
+        ([{"name": "a", "path": "/mnt"}, {"name": "b", "path": "/mnt"}], "nest"),
+    ]
+    for mounts, message in bad:
+        with pytest.raises(BadRequest, match=message):
+            schemas.parse_create({"templateID": "base", "volumeMounts": mounts})
 
 
 def test_refresh_and_resume_bodies() -> None:

@@ -63,3 +63,33 @@ def test_keys_are_issued_in_e2bs_format_and_older_ones_still_work(tmp_path: Path
     assert re.fullmatch(r"e2b_[0-9a-f]+", secret) and API_KEY_FORMAT.match(secret) and key.prefix == secret[:8]
     old_key, old_secret = cat.create_key("old", key="ks_" + "ab" * 20)
     assert cat.find_key(old_secret).id == old_key.id and not API_KEY_FORMAT.match(old_secret)
+
+
+def test_volumes_survive_reopen_and_names_are_unique(tmp_path: Path) -> None:
+    from keepstate.errors import Conflict
+    from keepstate.volume import VolumeRecord
+
+    cat = Catalog(tmp_path / "c.sqlite")
+    a = VolumeRecord("vola", "data", "vol_t1", 64, 1.0)
+    cat.put_volume(a)
+    cat.put_volume(VolumeRecord("volb", "other", "vol_t2", 16, 2.0))
+    try:
+        cat.put_volume(VolumeRecord("volc", "data", "vol_t3", 16, 3.0))
+        raise AssertionError("a second volume named 'data' was accepted")
+    except Conflict as exc:
+        assert "data" in str(exc)
+    cat.close()
+    again = Catalog(tmp_path / "c.sqlite")
+    assert again.get_volume("vola") == a and again.volume_by_name("data") == a
+    assert [v.volume_id for v in again.volumes()] == ["vola", "volb"]
+    assert again.delete_volume("vola") and not again.delete_volume("vola") and again.get_volume("vola") is None
+
+
+def test_sandbox_rows_keep_their_volume_mounts(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "c.sqlite")
+    mounts = [{"name": "data", "path": "/mnt/data", "volume_id": "vola"}]
+    cat.put_sandbox(SandboxRow("s", "running", "base", "d", "ks-1", 1, "a", "t", 1.0, 2.0, 1, 512,
+                               settings=Settings(volume_mounts=mounts)))
+    got = cat.get_sandbox("s")
+    assert got is not None and got.settings.volume_mounts == mounts
+    assert Settings.from_json({"metadata": {}}).volume_mounts == []  # rows from before volumes load

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from keepstate.runtime import network
-from keepstate.runtime.base import Limits, SandboxSpec, TemplateRoot
+from keepstate.runtime.base import Limits, Mount, SandboxSpec, TemplateRoot
 from keepstate.runtime.gvisor import oci_spec
 
 
@@ -38,6 +38,17 @@ def test_oci_spec_limits_namespace_and_readonly_lib() -> None:
     lib = [m for m in doc["mounts"] if m["destination"] == "/opt/keepstate/lib/keepstate"][0]
     assert "ro" in lib["options"]
     assert doc["process"]["args"][0] == "/usr/bin/tini"
+
+
+def test_oci_spec_bind_mounts_volumes_read_write() -> None:
+    link = network.link_for(5)
+    spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(),
+                       mounts=(Mount(Path("/home/v/fs/data"), "/mnt/data"),))
+    doc = oci_spec(spec, link, Path("/lib/keepstate"))
+    assert {"destination": "/mnt/data", "type": "bind", "source": "/home/v/fs/data",
+            "options": ["rbind", "rw"]} in doc["mounts"]
+    plain = oci_spec(SandboxSpec(name="ks-y", template=spec.template, limits=Limits()), link, Path("/l"))
+    assert len(doc["mounts"]) == len(plain["mounts"]) + 1
 
 
 def test_slot_claims_record_their_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
