@@ -107,6 +107,9 @@ class AgentApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                from keepstate.agent.mounts import mount_volumes
+
+                mount_volumes()  # before anything can look at them
                 REAPER.install(asyncio.get_running_loop())
                 self._start_sudo()
                 self.rpc_apps()

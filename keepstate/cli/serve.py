@@ -34,9 +34,10 @@ from .common import Command, home_option
                    "(milliseconds) instead of a restore from the store; 0 disables standbys.")
 @click.option("--standby-mb", default=2048, show_default=True, type=int,
               help="Memory all standbys together may hold; the oldest are released first.")
-@click.option("--disk-mb", default=DEFAULT_DISK_MB, show_default=True, type=click.IntRange(min=64),
+@click.option("--disk-mb", default=DEFAULT_DISK_MB, show_default=True, type=click.IntRange(min=0),
               help="Each sandbox's disk (its writable layer, a sparse image on this host) in MiB, when its template "
-                   "names none: a fuller disk is ENOSPC for the writer (docs/design/sandbox-disk.md).")
+                   "names none: a fuller disk is ENOSPC for the writer (docs/design/sandbox-disk.md). 0 keeps the "
+                   "layer in the sandbox's memory instead (no filesystem-only pause).")
 @click.option("--volume-size-mb", default=1024, show_default=True, type=click.IntRange(16, 1 << 20),
               help="Quota of a new volume (E2B's Volume.create sends no size; POST /volumes may carry `sizeMB`). "
                    "A sandbox that fills its volume gets ENOSPC; the content API answers 413.")

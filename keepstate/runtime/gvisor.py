@@ -46,6 +46,11 @@ _SHIM = "mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && exec \"
 _SHIM_DISK = ("mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && "
               "mount -o loop,nodev,nosuid,noexec \"$1\" \"$2\" && shift 2 && exec \"$@\"")
 TEMPLATE_VIEW = "/opt/keepstate/template"  # the template's root, read-only: what a filesystem-only pause diffs
+# Volume i is mounted at VOLUMES_DIR/i and bind-mounted at its path by the agent (KEEPSTATE_VOLUME_MOUNTS): runsc
+# creates a missing mount point in the root's host directory, which is the template's and shared, so every mount
+# point of the spec exists in every build (template/builder.py makes them).
+VOLUMES_DIR = "/opt/keepstate/volumes"
+VOLUME_SLOTS = 16
 _DISK_FORMAT = ["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
@@ -56,6 +61,8 @@ def agent_command() -> list[str]:
 
 def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, Any]:
     """The OCI bundle config for a sandbox: pure, so tests can check it without runsc."""
+    if len(spec.mounts) > VOLUME_SLOTS:
+        raise RuntimeFailure(f"a sandbox mounts at most {VOLUME_SLOTS} volumes")
     limits = spec.limits
     caps = list(_CAPS)
     return {
@@ -71,6 +78,8 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
                 "PYTHONUNBUFFERED=1",
                 "HOME=/root",
                 "LANG=C.UTF-8",
+                "KEEPSTATE_VOLUME_MOUNTS=" + json.dumps([[f"{VOLUMES_DIR}/{i}", m.destination]
+                                                         for i, m in enumerate(spec.mounts)]),
             ],
             "cwd": "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "inheritable", "permitted")},
@@ -91,8 +100,8 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
             {"destination": TEMPLATE_VIEW, "type": "bind", "source": str(spec.template.rootfs),
              "options": ["rbind", "ro"]},
             # Volumes: served by the gofer (file-access-mounts=shared), outside the checkpoint image.
-            *({"destination": m.destination, "type": "bind", "source": str(m.source), "options": ["rbind", "rw"]}
-              for m in spec.mounts),
+            *({"destination": f"{VOLUMES_DIR}/{i}", "type": "bind", "source": str(m.source),
+               "options": ["rbind", "rw"]} for i, m in enumerate(spec.mounts)),
         ],
         "linux": {
             "namespaces": [

@@ -27,6 +27,7 @@ import blake3
 
 from keepstate.config import home
 from keepstate.errors import KeepStateError, Unavailable
+from keepstate.runtime.gvisor import TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
 
 from .definition import Defaults, Definition, agent_requirements, definition_digest, load
 
@@ -263,7 +264,11 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
         if parent is None:
             if reqs := agent_requirements():
                 _pip_target(reqs, rootfs / "opt/keepstate/site", "agent dependencies")
-            (rootfs / "opt/keepstate/lib/keepstate").mkdir(parents=True, exist_ok=True)
+            # Every mount point a sandbox's spec names exists in the build: runsc would otherwise create it in
+            # this (shared, read-only to sandboxes) directory.
+            for point in ("opt/keepstate/lib/keepstate", TEMPLATE_VIEW.lstrip("/"),
+                          *(f"{VOLUMES_DIR.lstrip('/')}/{i}" for i in range(VOLUME_SLOTS))):
+                (rootfs / point).mkdir(parents=True, exist_ok=True)
         if d.pip:
             _pip_target(d.pip, rootfs / "usr/local/lib/python3.11/dist-packages", "template pip packages")
         if d.npm:

@@ -20,7 +20,7 @@ from typing import Any
 
 from keepstate.errors import BadRequest, NotFound
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the mount points of the template view and of volumes are in every build
 
 
 def package_file(package: str, *parts: str) -> Path:
