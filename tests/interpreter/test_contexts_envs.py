@@ -1,4 +1,4 @@
-"""Contexts, env vars, languages (bash, JavaScript), access token."""
+"""Contexts, env vars, languages (bash, JavaScript/TypeScript, R, Java), access token."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def test_default_contexts(new_sandbox: Callable[..., Sandbox]) -> None:
     contexts = sbx.list_code_contexts()
     assert sorted(c.language for c in contexts) == ["javascript", "python"]
     assert all(c.cwd == HOME for c in contexts)
+
+
+def test_list_has_a_default_context_per_used_language(new_sandbox: Callable[..., Sandbox]) -> None:
+    sbx = new_sandbox()
+    used = {"bash": "echo hi", "r": "1", "java": "1", "typescript": "1"}
+    for language, code in used.items():
+        assert sbx.run_code(code, language=language, timeout=240).error is None
+        assert sbx.run_code(code, language=language).error is None  # the same default context again
+    contexts = sbx.list_code_contexts()
+    assert sorted(c.language for c in contexts) == sorted(["python", *used])
+    assert all(c.cwd == HOME for c in contexts)
+    ctx = sbx.create_code_context(language="r")  # a context made on request is listed too, beside the default
+    assert [c.id for c in sbx.list_code_contexts() if c.language == "r"][-1] == ctx.id
 
 
 def test_create_list_restart_remove(sandbox: Sandbox) -> None:
@@ -59,6 +72,10 @@ def test_sandbox_env_vars_restored_after_override(new_sandbox: Callable[..., San
     assert sbx.run_code(code, envs={"KS_SBX": "override"}).text == "override"
     assert sbx.run_code(code).text == "sandbox"
     assert sbx.run_code("echo $KS_SBX", language="bash").logs.stdout == ["sandbox\n"]
+    for language, code in [("r", "cat(Sys.getenv('KS_SBX'))"), ("java", 'System.out.print(System.getenv("KS_SBX"))')]:
+        assert sbx.run_code(code, language=language, timeout=240).logs.stdout == ["sandbox"], language
+        assert sbx.run_code(code, language=language, envs={"KS_SBX": "o"}).logs.stdout == ["o"], language
+        assert sbx.run_code(code, language=language).logs.stdout == ["sandbox"], language
 
 
 def test_bash(sandbox: Sandbox) -> None:
@@ -87,6 +104,79 @@ def test_javascript(sandbox: Sandbox) -> None:
     assert sandbox.run_code("process.env.KS_JS", language="js", envs={"KS_JS": "j"}).text == "j"
     typed = sandbox.run_code("const n: number = 4; n * n", language="ts")
     assert typed.text == "16" and typed.logs.stdout == []
+
+
+def test_r(sandbox: Sandbox) -> None:
+    execution = sandbox.run_code("x <- 20\nprint('hi')\nx + 1", language="r", timeout=240)
+    # A cell's last visible value is its result; print() is output.
+    assert execution.logs.stdout == ['[1] "hi"\n']
+    assert execution.text == "[1] 21" and [r.is_main_result for r in execution.results] == [True]
+    both = sandbox.run_code("x\nx * 2", language="R")  # every visible value is shown; the last is the result
+    assert [(r.text, r.is_main_result) for r in both.results] == [("[1] 20", False), ("[1] 40", True)]
+    assert sandbox.run_code("y <- 1", language="r").results == []
+    # IRkernel sends messages (and warnings) as stderr, with a newline of its own added.
+    assert "".join(sandbox.run_code("message('to err')", language="r").logs.stderr).strip() == "to err"
+    failed = sandbox.run_code("stop('boom')", language="r")
+    assert failed.error is not None and failed.error.name == "ERROR" and "boom" in failed.error.value
+    assert "boom" in failed.error.traceback
+    assert sandbox.run_code("x", language="r").text == "[1] 20"  # state kept after an error
+    assert sandbox.run_code("getwd()", language="r").text == f'[1] "{HOME}"'
+    assert sandbox.run_code("Sys.getenv('USER')", language="r").text == '[1] "user"'
+    value = "it's \"q\" é $HOME"
+    assert sandbox.run_code("cat(Sys.getenv('KS_R'))", language="r", envs={"KS_R": value}).logs.stdout == [value]
+    assert sandbox.run_code("Sys.getenv('KS_R', 'unset')", language="r").text == '[1] "unset"'
+    ctx = sandbox.create_code_context(language="r", cwd="/tmp")
+    try:
+        assert ctx.language == "r" and ctx.cwd == "/tmp"
+        assert sandbox.run_code("getwd()", context=ctx).text == '[1] "/tmp"'
+        assert sandbox.run_code("exists('x')", context=ctx).text == "[1] FALSE"  # another kernel
+        assert sandbox.run_code("1", context=ctx).execution_count == 3
+    finally:
+        sandbox.remove_code_context(ctx)
+
+
+def test_r_plot_is_an_image(sandbox: Sandbox) -> None:
+    execution = sandbox.run_code("plot(1:10)", language="r", timeout=240)
+    assert execution.error is None, execution.error
+    assert [r for r in execution.results if r.png], execution.results
+
+
+def test_java(sandbox: Sandbox) -> None:
+    execution = sandbox.run_code('int a = 20;\nSystem.out.println("hi");\na + 1', language="java", timeout=240)
+    # jshell shows the last expression as `$1 ==> 21`: its value is the execution's result.
+    assert execution.logs.stdout == ["hi\n"]
+    assert execution.text == "21" and [r.is_main_result for r in execution.results] == [True]
+    assert sandbox.run_code("int b = 2;", language="java").results == []
+    assert sandbox.run_code('"it\'s \\"q\\""', language="java").text == "it's \"q\""
+    assert sandbox.run_code("List.of(a, 2)", language="java").text == "[20, 2]"  # jshell's default imports
+    assert sandbox.run_code('System.err.print("e")', language="java").logs.stderr == ["e"]
+    method = sandbox.run_code("int twice(int n) { return 2 * n; }\ntwice(a)", language="java")
+    assert method.text == "40"
+    failed = sandbox.run_code("int z = 1 / 0;", language="java")
+    assert failed.error is not None
+    assert (failed.error.name, failed.error.value) == ("java.lang.ArithmeticException", "/ by zero")
+    assert "java.lang.ArithmeticException: / by zero" in failed.error.traceback
+    bad = sandbox.run_code("int c = ;", language="java")
+    assert bad.error is not None and bad.error.name == "CompilationException"
+    assert "illegal start of expression" in bad.error.value and "int c = ;" in bad.error.traceback
+    thrown = sandbox.run_code('throw new IllegalStateException("boom")', language="java")
+    assert thrown.error is not None
+    assert (thrown.error.name, thrown.error.value) == ("java.lang.IllegalStateException", "boom")
+    assert sandbox.run_code("a", language="java").text == "20"  # state kept after errors
+    assert sandbox.run_code('System.getProperty("user.dir")', language="java").text == HOME
+    assert sandbox.run_code('System.getProperty("user.name")', language="java").text == "user"
+    value = "it's \"q\" é $HOME"
+    with_env = sandbox.run_code('System.getenv("KS_J")', language="java", envs={"KS_J": value})
+    assert with_env.text == value
+    assert sandbox.run_code('System.getenv().getOrDefault("KS_J", "unset")', language="java").text == "unset"
+    ctx = sandbox.create_code_context(language="java", cwd="/tmp")
+    try:
+        assert ctx.language == "java" and ctx.cwd == "/tmp"
+        assert sandbox.run_code('System.getProperty("user.dir")', context=ctx).text == "/tmp"
+        assert sandbox.run_code("a", context=ctx).error.name == "CompilationException"  # another kernel
+        assert sandbox.run_code("1", context=ctx).execution_count == 3
+    finally:
+        sandbox.remove_code_context(ctx)
 
 
 def test_unsupported_language(sandbox: Sandbox) -> None:

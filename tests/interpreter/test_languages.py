@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,24 @@ def test_startup_files_compile() -> None:
     # They run inside kernels only; a syntax error would surface as a kernel that lost its formatters.
     for path in (languages.PYTHON_STARTUP, languages.PYTHON_WARM):
         compile(path.read_text(), str(path), "exec")
+
+
+def test_every_language_of_e2b_has_a_kernel() -> None:
+    assert set(languages.KERNEL_NAMES) == {"python", "javascript", "typescript", "bash", "r", "java"}
+    assert languages.kernel_name(languages.normalize("R")) == "ir"
+    assert languages.kernel_name("java") == "java"
+    assert languages.kernel_arguments("r", default=True) == [] and languages.kernel_arguments("java") == []
+
+
+def test_r_env_code() -> None:
+    # R is not on the host: the code itself (run in sandboxes by test_contexts_envs.test_r).
+    code = languages.env_code("r", {"KS_A": 'it\'s "q"\n', "_B": "é"}, ["KS_GONE"])
+    assert code == ('invisible(Sys.setenv("KS_A" = "it\'s \\"q\\"\\n", "_B" = "\\u00e9"))\n'
+                    'invisible(Sys.unsetenv(c("KS_GONE")))')
+    assert languages.env_code("r", {}, ["X"]) == 'invisible(Sys.unsetenv(c("X")))'
+
+
+def test_java_env_code_is_the_java_kernels_directive() -> None:
+    code = languages.env_code("java", {"KS_A": "a b"}, ["KS_GONE"])
+    assert code is not None and code.startswith(languages.JAVA_ENV_MAGIC)
+    assert json.loads(code[len(languages.JAVA_ENV_MAGIC):]) == {"set": {"KS_A": "a b"}, "unset": ["KS_GONE"]}

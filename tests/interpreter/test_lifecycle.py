@@ -22,6 +22,19 @@ def test_client_timeout_interrupts_kernel(sandbox: Sandbox) -> None:
     assert execution.text == "False"
 
 
+@pytest.mark.parametrize(("language", "setup", "sleep", "check"), [
+    ("r", "done <- FALSE", "Sys.sleep(60); done <- TRUE", "done"),
+    ("java", "boolean done = false;", "Thread.sleep(60000); done = true;", "done"),
+])
+def test_client_timeout_interrupts_r_and_java(sandbox: Sandbox, language: str, setup: str, sleep: str,
+                                              check: str) -> None:
+    sandbox.run_code(setup, language=language, timeout=240)
+    with pytest.raises(TimeoutException):
+        sandbox.run_code(sleep, language=language, timeout=2)
+    execution = sandbox.run_code(check, language=language, timeout=20)
+    assert execution.text in ("[1] FALSE", "false"), execution
+
+
 def test_keepalive_lines_are_ignored_by_sdk(sandbox: Sandbox) -> None:
     # 6 s of silence makes the bridge send a keepalive line; the SDK must not choke on it.
     execution = sandbox.run_code("import time; time.sleep(6); 'awake'")

@@ -53,6 +53,38 @@ def test_a_display_marked_as_the_cells_result_is_the_main_result() -> None:
     assert [(line["text"], line["is_main_result"]) for line in lines] == [("21", True), ("shown", False)]
 
 
+def test_displayed_values_the_last_is_the_main_result() -> None:
+    """IRkernel: a visible value is a display_data without `source`; a display() call's has one."""
+    out = ExecutionOutput(displayed_values=True)
+    lines = out.feed(msg("execute_input", execution_count=1))
+    lines += out.feed(msg("display_data", data={"text/plain": "[1] 1"}, metadata={}))
+    assert len(lines) == 1  # the value is held: another may follow
+    lines += out.feed(msg("display_data", data={"text/plain": "shown"}, metadata={}, source="R display func"))
+    lines += out.feed(msg("display_data", data={"text/plain": "[1] 2"}, metadata={}))
+    lines += out.feed(msg("display_data", data={"text/plain": "[1] 3"}, metadata={}))
+    lines += out.feed(msg("status", execution_state="idle"))
+    assert lines[-1]["type"] == "result" and lines[-1]["text"] == "[1] 2"  # the last value still held
+    lines += out.feed(msg("execute_reply", status="ok", execution_count=1))
+    assert out.done
+    # The main result is the last output, if a value: a value followed by anything (`1; print(2)`) is not.
+    assert [(x["text"], x["is_main_result"]) for x in lines if x["type"] == "result"] == [
+        ("[1] 1", False), ("shown", False), ("[1] 2", False), ("[1] 3", True)]
+    plain = ExecutionOutput()  # other kernels: a display is never the result
+    assert plain.feed(msg("display_data", data={"text/plain": "x"}, metadata={}))[0]["is_main_result"] is False
+
+
+def test_an_interrupted_execution_is_not_an_unrun_one() -> None:
+    """IRkernel answers an interrupted execution with `abort`, as tslab answers one it refused: only the
+    refused one may be sent again."""
+    refused = ExecutionOutput()
+    refused.feed(msg("execute_reply", status="abort"))
+    assert refused.aborted
+    interrupted = ExecutionOutput()
+    interrupted.feed(msg("execute_input", execution_count=2))
+    interrupted.feed(msg("execute_reply", status="abort"))
+    assert not interrupted.aborted
+
+
 def test_error_reported_once() -> None:
     out = ExecutionOutput()
     lines = out.feed(msg("error", ename="ValueError", evalue="bad", traceback=["l1", "l2"]))

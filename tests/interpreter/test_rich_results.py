@@ -13,6 +13,7 @@ from e2b_code_interpreter.charts import (
     LineChart,
     PieChart,
     ScatterChart,
+    SuperChart,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -107,6 +108,23 @@ def test_box_and_whisker_chart(sandbox: Sandbox) -> None:
     assert first.label == "a" and first.min == 1 and first.median == 3 and first.max == 5
     assert second.label == "b" and second.max == 12 and second.outliers == [40]
 
+
+def test_subplots_are_a_superchart(sandbox: Sandbox) -> None:
+    chart = _chart(sandbox, "fig, (a, b) = plt.subplots(1, 2)\na.bar(['x', 'y'], [1, 2])\nb.plot([0, 1], [1, 0])\n"
+                            "fig.suptitle('Both')")
+    assert isinstance(chart, SuperChart) and chart.type == ChartType.SUPERCHART
+    assert [c.type for c in chart.elements] == [ChartType.BAR, ChartType.LINE]
+
+
+def test_saved_figure_shown_is_an_image(sandbox: Sandbox) -> None:
+    execution = sandbox.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2], [2, 1])\nplt.savefig('saved.png')\nplt.show()"
+    )
+    assert execution.error is None, execution.error
+    pngs = [r.png for r in execution.results if r.png]
+    assert len(pngs) == 1 and base64.b64decode(pngs[0]).startswith(PNG_MAGIC)
+    # And the file was written, where the kernel runs (the sandbox user's home).
+    assert sandbox.files.read("/home/user/saved.png", format="bytes")[:8] == PNG_MAGIC
 
 
 def test_default_context_has_the_data_stack_loaded(new_sandbox: Callable[..., Sandbox]) -> None:

@@ -30,6 +30,8 @@ ABORT_RETRIES = 3
 # Seconds after an execution's idle status without its reply before it is finished anyway (and logged), or after
 # its reply without the idle status before that is logged.
 HALF_DONE_WAIT = 10.0
+# Kernels that send a cell's visible values as display_data (see ExecutionOutput.displayed_values).
+DISPLAYED_VALUES = {"ir"}
 
 
 class KernelError(RuntimeError):
@@ -217,7 +219,7 @@ class Kernel:
     async def execute(self, code: str, *, silent: bool = False) -> AsyncIterator[Line]:
         """Run `code`; yield the output lines (none when silent) until the kernel is done with it."""
         for attempt in range(ABORT_RETRIES + 1):
-            output = ExecutionOutput(silent=silent)
+            output = ExecutionOutput(silent=silent, displayed_values=self.kernel_name in DISPLAYED_VALUES)
             async for line in self._execute_once(code, output):
                 yield line
             if not output.aborted:
@@ -253,6 +255,8 @@ class Kernel:
                             # with bash_kernel in CI). Finish rather than hold the caller until its timeout.
                             log.warning("execution %s on kernel '%s': idle for %.0f s and no execute_reply; "
                                         "finishing it without one", msg_id, self.kernel_name, HALF_DONE_WAIT)
+                            for line in output.pending():
+                                yield line
                             return
                         # Replied, not idle: output may still come. Evidence for the log, once.
                         log.warning("execution %s on kernel '%s': replied %.0f s ago, still waiting for idle",

@@ -14,6 +14,8 @@ KERNEL_NAMES: dict[str, str] = {
     "javascript": "jslab",
     "typescript": "tslab",
     "bash": "bash",
+    "r": "ir",  # IRkernel
+    "java": "java",  # the bridge's own JShell kernel (java_kernel.py)
 }
 
 # IPython start-up files, run from the bridge's own (bind-mounted) package rather than copied into
@@ -23,6 +25,9 @@ PYTHON_STARTUP = _STARTUP / "00_e2b.py"  # E2B's extra MIME types; every Python 
 PYTHON_WARM = _STARTUP / "warm.py"  # background imports; default contexts only
 
 _ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash", "py": "python", "python3": "python"}
+
+# How the Java kernel's env-var code starts (java_kernel.py acts on it).
+JAVA_ENV_MAGIC = "%keepstate_env "
 
 # Names every language can set: bash rejects anything else, and a name is code in every snippet below.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -92,6 +97,18 @@ def env_code(language: str, set_vars: Mapping[str, str], unset: Sequence[str] = 
         lines = [f"export {k}={shlex.quote(v)}" for k, v in set_vars.items()]
         lines += [f"unset {k}" for k in unset]
         return "\n".join(lines)
+    if language == "r":
+        # JSON strings are R string literals too (R reads \\uXXXX escapes; env values hold no NUL).
+        code = []
+        if set_vars:
+            pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in set_vars.items())
+            code.append(f"invisible(Sys.setenv({pairs}))")
+        if unset:
+            code.append(f"invisible(Sys.unsetenv(c({', '.join(map(json.dumps, unset))})))")
+        return "\n".join(code)
+    if language == "java":
+        # Java cannot change its environment; the Java kernel does it for this line (see java_kernel.py).
+        return JAVA_ENV_MAGIC + json.dumps({"set": dict(set_vars), "unset": list(unset)})
     raise LanguageError(f"Unsupported language '{language}'")
 
 

@@ -85,11 +85,19 @@ def error_line(name: str, value: str, traceback: list[str] | str) -> Line:
 
 @dataclass
 class ExecutionOutput:
-    """Translates the messages of one execute_request. `silent` executions emit nothing."""
+    """Translates the messages of one execute_request. `silent` executions emit nothing.
+
+    `displayed_values`: the kernel sends a top-level expression's visible value as a display_data without the
+    `source` its display() calls carry (IRkernel). Such a value is the main result if it is the cell's last output:
+    each is held back until the next line or the end, and sent as a plain display if anything follows it.
+    """
 
     silent: bool = False
+    displayed_values: bool = False
     idle: bool = False
     reply: dict[str, Any] | None = None
+    _started: bool = False  # the kernel began running the code (execute_input, or output of it)
+    _held: Line | None = None
     _error_sent: bool = False
     _count_sent: bool = False
     _stderr_tail: list[str] = field(default_factory=list)
@@ -101,8 +109,11 @@ class ExecutionOutput:
 
     @property
     def aborted(self) -> bool:
-        """The kernel refused the request without running it (tslab does so for 200 ms after an error)."""
-        return self.reply is not None and self.reply.get("status") in ("abort", "aborted")
+        """The kernel refused the request without running it (tslab does so for 200 ms after an error).
+
+        Not an execution that began and was interrupted, which IRkernel also answers with `abort`.
+        """
+        return self.reply is not None and self.reply.get("status") in ("abort", "aborted") and not self._started
 
     @property
     def failed(self) -> bool:
@@ -110,6 +121,27 @@ class ExecutionOutput:
 
     def feed(self, msg: dict[str, Any]) -> list[Line]:
         kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
+        content: dict[str, Any] = msg.get("content") or {}
+        if kind in ("execute_input", "stream", "execute_result", "display_data", "error"):
+            self._started = True
+        if (self.displayed_values and not self.silent and kind == "display_data"
+                and "source" not in content):
+            lines = [] if self._held is None else [{**self._held, "is_main_result": False}]
+            self._held = result_line(content.get("data") or {}, True)
+            return lines
+        lines = self._feed(kind, msg)
+        if self._held is not None and (lines or self.done):
+            # The result only if nothing came after it (as of Python's last expression, not `1; print(2)`).
+            lines.insert(0, self._held if not lines else {**self._held, "is_main_result": False})
+            self._held = None
+        return lines
+
+    def pending(self) -> list[Line]:
+        """Lines held back, for an execution finished before the kernel said it was done."""
+        held, self._held = self._held, None
+        return [] if held is None else [held]
+
+    def _feed(self, kind: str | None, msg: dict[str, Any]) -> list[Line]:
         content: dict[str, Any] = msg.get("content") or {}
         when = timestamp(msg.get("header", {}).get("date"))
         if kind == "status":
