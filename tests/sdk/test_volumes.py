@@ -6,6 +6,7 @@ Imports no keepstate code. SDK releases without volumes (e2b 2.45, 2.50) skip wi
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 import threading
@@ -287,5 +288,34 @@ def test_checkpoints_hold_no_volume_data_and_forks_share_the_volume(own: dict[st
         for f in forks:
             if not isinstance(f, Exception):
                 f.kill()
+        sbx.kill()
+    assert Volume.destroy(vol.volume_id) is True
+
+
+def test_a_filesystem_only_pause_keeps_the_sandbox_files_and_mounts_the_volume_again(own: dict[str, Any]) -> None:
+    """The cold boot that resumes a filesystem-only pause mounts the same volume; the pause kept the sandbox's own
+    files, not the volume's (its mount point is skipped)."""
+    from e2b import Sandbox
+
+    vol = Volume.create(f"fs-{uuid.uuid4().hex[:8]}")
+    sbx = Sandbox.create(timeout=300, volume_mounts={"/home/user/shared": vol})
+    try:
+        sbx.commands.run("echo -n mine > /home/user/own && echo -n theirs > /home/user/shared/in-volume")
+        if "mode" in inspect.signature(Sandbox.pause).parameters:
+            assert sbx.pause(mode="filesystem") is True
+        else:  # e2b 2.50
+            assert sbx.pause(keep_memory=False) is True
+        vol.write_file("/while-paused", "new", force=True)
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert sbx.commands.run("cat /home/user/own").stdout == "mine"
+        listing = sbx.commands.run("ls /home/user/shared").stdout.split()
+        assert sorted(listing) == ["in-volume", "while-paused"]
+        # nothing of it leaked into the template: another sandbox has no such directory
+        other = Sandbox.create(timeout=60)
+        try:
+            assert other.commands.run("test ! -e /home/user/shared && echo clean").stdout.strip() == "clean"
+        finally:
+            other.kill()
+    finally:
         sbx.kill()
     assert Volume.destroy(vol.volume_id) is True
