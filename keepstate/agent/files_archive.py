@@ -207,7 +207,7 @@ class _QueueReader:
 
     def __init__(self, q: queue.Queue[bytes | None]) -> None:
         self.q = q
-        self.buf = b""
+        self.buf = bytearray()
         self.done = False
 
     def read(self, n: int = -1) -> bytes:
@@ -219,7 +219,8 @@ class _QueueReader:
                 self.buf += chunk
         if n < 0:
             n = len(self.buf)
-        out, self.buf = self.buf[:n], self.buf[n:]
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
         return out
 
 
@@ -245,7 +246,7 @@ def apply_tar(src: IO[bytes] | _QueueReader, root: str = "/", skip: set[str] | N
     skip = mount_points() if skip is None else skip
     dirs: list[tuple[str, tarfile.TarInfo]] = []
     count = 0
-    with tarfile.open(fileobj=src, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=src, mode="r|", bufsize=_CHUNK) as tar:  # type: ignore[call-overload]
         for m in tar:
             rel = _safe(m.name)
             path = os.path.join(root, rel)

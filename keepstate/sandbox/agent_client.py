@@ -178,15 +178,17 @@ class AgentClient:
                     size += len(chunk)
         return size
 
-    async def apply_files(self, sandbox_id: str, address: str, archive: Path) -> int:
-        """Apply an export to a freshly booted sandbox (before /init); how many entries it held."""
+    async def apply_files(self, sandbox_id: str, address: str, archive: Path, token: str | None = None) -> int:
+        """Apply an export to a freshly booted sandbox (before its /init; `token`: a pooled one's); how many entries
+        it held."""
         async def body() -> AsyncIterator[bytes]:
             with open(archive, "rb") as f:
                 while chunk := await asyncio.to_thread(f.read, 1 << 20):
                     yield chunk
 
         async with self._call(sandbox_id) as http, \
-                http.put(agent_url(address) + "/keepstate/files", data=body(), timeout=FILES_TIMEOUT) as r:
+                http.put(agent_url(address) + "/keepstate/files", data=body(), timeout=FILES_TIMEOUT,
+                         headers={"X-Access-Token": token} if token else {}) as r:
             if r.status != 200:
                 raise RuntimeFailure(f"agent of {sandbox_id} could not apply its files: {r.status} "
                                      f"{(await r.text())[:300]}")

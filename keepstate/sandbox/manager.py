@@ -305,6 +305,11 @@ class SandboxManager:
                               agent_url=agent_url(row.address), token=row.access_token)
         return row
 
+    def _pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
+        """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)."""
+        pool = self.pools.get(built.digest)
+        return pool.take() if pool is not None and limits == self._limits(built) else None
+
     def _limits(self, built: Built, req: CreateRequest | None = None) -> Limits:
         """A new sandbox's limits: the request's, else its template's, else (the disk) the server's."""
         d = built.defaults
@@ -419,7 +424,7 @@ class SandboxManager:
                 if await self.checkpoints.thaw(row, standby, timeout):
                     source = "standby"
             if source == "store":
-                await self.checkpoints.restore(row, timeout)
+                await self.checkpoints.restore(row, timeout, pooled=self._pooled)
         except BaseException:
             row.runtime_name, row.slot, row.address = "", -1, ""
             self._set(row, State.PAUSED)
