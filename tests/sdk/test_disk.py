@@ -167,6 +167,8 @@ def test_concurrent_pauses_of_both_kinds_one_wins(server: Server) -> None:
 
 
 def test_auto_pause_on_timeout_keeps_files_only_when_asked(server: Server) -> None:
+    if "mode" not in inspect.signature(Sandbox.pause).parameters:
+        pytest.skip("this SDK release has no snapshot modes: its lifecycle cannot ask for a filesystem-only pause")
     try:
         sbx = Sandbox.create(timeout=2, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
     except (TypeError, ValueError, AttributeError) as exc:
