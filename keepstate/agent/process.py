@@ -253,7 +253,7 @@ class ManagedProcess:
         """The command started by the user's spare (spare.py): what `setpriv` would have started, one exec
         sooner. None when there is no usable spare (root, no setpriv, a stale or dead one): the usual path."""
         spec = self.spec
-        if self._spares is None or not _identity_kwargs(spec.user) or not _has_setpriv():
+        if self._spares is None or os.geteuid() != 0 or spec.user.uid == 0 or not _has_setpriv():
             return None
         program = _resolve_program(argv[0], spec.env)  # as pipe_spawn_argv: an unknown program is an error
         self._refill = True
