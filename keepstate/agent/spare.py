@@ -27,8 +27,9 @@ import subprocess
 from keepstate.agent.users import User
 
 # The stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's (-I -S)
-# ~55 ms, and every command pays for the next command's spare. Core builtins only (no `use`).
+# ~55 ms. Core builtins only (no `use`). It names itself `keepstate-spare` in `ps`.
 STUB = r"""
+$0 = "keepstate-spare";
 open(my $c, "<&=", $ARGV[0]) or exit 0;
 my $buf = "";
 while (length($buf) < 8 || length($buf) < 8 + unpack("Q>", $buf)) {
