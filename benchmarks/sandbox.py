@@ -6,7 +6,7 @@ Starts its own KeepState server (free port, own data dir, the shared template ca
 warm pool of --pool pre-started `base` sandboxes, waits for the pool to fill, then measures
 with the stock e2b SDK:
   * create-to-first-command: Sandbox.create() + commands.run("true"), --count times, p50/p95
-  * commands.run("true") round trip p50 (and p95)
+  * commands.run("true") round trip p50 (and p95), back to back and after 0.5 s idle each
   * 10 concurrent creates (the pool refilled first): wall time and per-create p50
 and, in the same run, the peer: `runsc do true` (a fresh gVisor sandbox running `true`).
 Goals (issue 2): create p50 under 150 ms, command round trip under 15 ms.
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--pool", type=int, default=20)
     ap.add_argument("--runs", type=int, default=50, help="command round trips to time")
+    ap.add_argument("--idle-runs", type=int, default=20, help="round trips to time after 0.5 s idle each")
     args = ap.parse_args()
 
     peer = runsc_do_true(5)
@@ -65,6 +66,12 @@ def main() -> None:
             t = time.perf_counter()
             made[0].commands.run("true")
             rt.append((time.perf_counter() - t) * 1000)
+        idle: list[float] = []
+        for _ in range(args.idle_runs):  # an agent thinking between commands (agent/spare.py works then)
+            time.sleep(0.5)
+            t = time.perf_counter()
+            made[0].commands.run("true")
+            idle.append((time.perf_counter() - t) * 1000)
         for sbx in made:
             sbx.kill()
 
@@ -90,6 +97,8 @@ def main() -> None:
     print(row("  of which Sandbox.create() p50", median(create_only), p, peer_name="runsc do true p50"))
     print(row('commands.run("true") round trip p50', median(rt), p, peer_name="runsc do true p50"))
     print(row('commands.run("true") round trip p95', pct(rt, 95), p, peer_name="runsc do true p50"))
+    print(row('commands.run("true") after 0.5 s idle p50', median(idle), p, peer_name="runsc do true p50"))
+    print(row('commands.run("true") after 0.5 s idle p95', pct(idle, 95), p, peer_name="runsc do true p50"))
     print(row("10 concurrent creates: wall time", wall, p, peer_name="runsc do true p50"))
     print(row("10 concurrent creates: per-create p50", median(per), p, peer_name="runsc do true p50"))
     print("goals: create p50 < 150 ms; command round trip < 15 ms")

@@ -61,12 +61,13 @@ class AgentApp:
     def rpc_apps(self) -> dict[str, Any]:
         if self._rpc is None:
             from keepstate.agent.filesystem_service import FilesystemService
-            from keepstate.agent.process import ProcessTable
+            from keepstate.agent.process import SETPRIV, ProcessTable
             from keepstate.agent.process_service import ProcessService
             from keepstate.agent.proto.filesystem.filesystem_connect import FilesystemASGIApplication
             from keepstate.agent.proto.process.process_connect import ProcessASGIApplication
+            from keepstate.agent.spare import Spares
 
-            self._process_table = ProcessTable(journal=self.journal)
+            self._process_table = ProcessTable(journal=self.journal, spares=Spares(SETPRIV))
             self._filesystem = FilesystemService(self.settings, self.journal)
             process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
             fs_app = FilesystemASGIApplication(self._filesystem)
@@ -214,4 +215,18 @@ class AgentApp:
         await send_empty(send, 204)
         # The host calls /init right before handing the sandbox out: warm the RPC machinery now, off the
         # request path, so the first command does not pay for the imports.
-        asyncio.get_running_loop().call_soon(self.rpc_apps)
+        asyncio.get_running_loop().call_soon(self._warm)
+
+    def _warm(self) -> None:
+        """The RPC machinery built, and a spare process (spare.py) waiting as the default user."""
+        self.rpc_apps()
+        from keepstate.agent.users import UnknownUser, lookup_user
+
+        table = self._process_table
+        if table is None or table.spares is None:
+            return
+        try:
+            user = lookup_user(self.settings.default_user)
+        except UnknownUser:
+            return
+        table.spares.prime(user)

@@ -25,6 +25,7 @@ from protobuf import Oneof
 from keepstate.agent.journal import Journal
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
+from keepstate.agent.spare import Spares
 from keepstate.agent.users import User
 
 RETAIN_EXITED_S = 30.0
@@ -194,8 +195,10 @@ def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[l
 
 
 class ManagedProcess:
-    def __init__(self, spec: SpawnSpec, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, spec: SpawnSpec, loop: asyncio.AbstractEventLoop, spares: Spares | None = None) -> None:
         self.spec = spec
+        self._spares = spares
+        self._refill = False  # a spare's user: have the next spare made once the sandbox is idle
         self.tag = spec.tag
         self._loop = loop
         self._subscribers: set[asyncio.Queue[ProcessEvent | None]] = set()
@@ -224,11 +227,13 @@ class ManagedProcess:
         try:
             if spec.pty_size is not None:
                 return self._spawn_pty(argv, common, _identity_kwargs(spec.user))
-            argv, identity = pipe_spawn_argv(argv, spec.user, spec.env)
-            popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
-                argv, **identity, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,
-            )
+            popen = self._from_spare(argv)
+            if popen is None:
+                argv, identity = pipe_spawn_argv(argv, spec.user, spec.env)
+                popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
+                    argv, **identity, stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, **common,
+                )
         except OSError as e:
             raise ProcessError(f"error starting process '{spec.cmd}': {e.strerror or e}") from e
         assert popen.stdout is not None and popen.stderr is not None
@@ -243,6 +248,24 @@ class ManagedProcess:
         for fd, kind in ((out, "stdout"), (err, "stderr")):
             self._add_reader(fd, kind)
         return popen
+
+    def _from_spare(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
+        """The command started by the user's spare (spare.py): what `setpriv` would have started, one exec
+        sooner. None when there is no usable spare (root, no setpriv, a stale or dead one): the usual path."""
+        spec = self.spec
+        if self._spares is None or os.geteuid() != 0 or spec.user.uid == 0 or not _has_setpriv():
+            return None
+        program = _resolve_program(argv[0], spec.env)  # as pipe_spawn_argv: an unknown program is an error
+        self._refill = True
+        spare = self._spares.take(spec.user)
+        if spare is None:
+            return None
+        try:
+            spare.run([program, *argv[1:]], spec.env, spec.cwd, spec.stdin)
+        except OSError:
+            spare.discard()
+            return None
+        return spare.popen
 
     def _spawn_pty(self, argv: list[str], common: _PopenCommon, identity: PopenIdentity) -> subprocess.Popen[bytes]:
         cols, rows = self.spec.pty_size or (80, 24)
@@ -303,6 +326,8 @@ class ManagedProcess:
         self._broadcast(None)
         self._subscribers.clear()
         self.ended.set()
+        if self._refill and self._spares is not None:
+            self._spares.prime_when_idle(self.spec.user)
 
     # --- output ----------------------------------------------------------------------------------------------
     def _add_reader(self, fd: int, kind: str) -> None:
@@ -476,8 +501,10 @@ class OutputJournal:
 class ProcessTable:
     """Every process started through the API, by pid and by tag."""
 
-    def __init__(self, reaper: ChildReaper = REAPER, journal: Journal | None = None) -> None:
+    def __init__(self, reaper: ChildReaper = REAPER, journal: Journal | None = None,
+                 spares: Spares | None = None) -> None:
         self._by_pid: dict[int, ManagedProcess] = {}
+        self.spares = spares
         self._reaper = reaper
         self._journal = journal or Journal()
         self._forgetting: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
@@ -487,7 +514,7 @@ class ProcessTable:
         self._reaper.install(loop)
         if spec.tag is not None and any(p.tag == spec.tag and p.running for p in self._by_pid.values()):
             raise InvalidProcessRequest(f"a running process already has tag '{spec.tag}'")
-        proc = ManagedProcess(spec, loop)
+        proc = ManagedProcess(spec, loop, self.spares)
         self._by_pid[proc.pid] = proc
         self._journal.append("process.start", {
             "pid": proc.pid, "cmd": spec.cmd, "args": list(spec.args), "cwd": spec.cwd, "user": spec.user.name,
@@ -534,3 +561,5 @@ class ProcessTable:
     def kill_all(self) -> None:
         for proc in self.running():
             proc.signal(signal.SIGKILL)
+        if self.spares is not None:
+            self.spares.close()
