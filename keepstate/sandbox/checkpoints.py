@@ -167,10 +167,12 @@ class Checkpoints:
         memory = has_memory(manifest)
         mounts = self.instances.mounts(row.settings.volume_mounts)
         started = time.monotonic()
-        claimed = pooled(built, row_limits(row)) if pooled is not None and not memory and not mounts else None
+        limits = row_limits(row)
+        claimed = pooled(built, limits) if pooled is not None and not memory and not mounts else None
+        pooled_token = claimed.access_token if claimed is not None else None  # its agent's, until our /init
         try:
             if memory:
-                handle, slot = await self.instances.restore(image, built, row_limits(row), mounts)
+                handle, slot = await self.instances.restore(image, built, limits, mounts)
             elif claimed is not None:
                 # Its pool record goes now: a server killed from here on reaps the instance as unknown, never
                 # hands it out again with these files in it.
@@ -178,7 +180,7 @@ class Checkpoints:
                 handle = Handle(claimed.runtime_name, claimed.slot, Endpoint(claimed.address))
                 slot = claimed.slot
             else:
-                handle, slot = await self.instances.boot(built, row_limits(row), mounts)
+                handle, slot = await self.instances.boot(built, limits, mounts)
             assert handle.endpoint is not None
             fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
             try:
@@ -187,12 +189,11 @@ class Checkpoints:
                 if not memory:  # a cold boot: its files, then everything /init sets for a sandbox handed out
                     booted = time.monotonic()
                     entries = await self.agents.apply_files(row.sandbox_id, fresh.address, image / FILES_ARCHIVE,
-                                                            claimed.access_token if claimed else None)
+                                                            pooled_token)
                     applied = time.monotonic()
                     if claimed is None:
                         await self.instances.wait_services(fresh, built)
-                    await self.instances.init_agent(fresh, self.gateway.env(fresh),
-                                                    previous_token=claimed.access_token if claimed else None)
+                    await self.instances.init_agent(fresh, self.gateway.env(fresh), previous_token=pooled_token)
                     log.info("cold boot of %s from %s (%s): booted in %.0f ms, %d entries applied in %.0f ms, ready "
                              "%.0f ms later", row.sandbox_id, checkpoint_id, "pooled" if claimed else "new",
                              (booted - started) * 1000, entries, (applied - booted) * 1000,

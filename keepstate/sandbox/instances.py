@@ -11,7 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -89,27 +89,24 @@ class Instances:
         return row
 
     async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
-        """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; its agent
-        answers, but has had no /init."""
-        slot = self.slots.alloc()
-        spec = self.spec(built, limits, mounts=mounts)
-        try:
-            self.slots.bind(slot, spec.name)
-            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
-        except BaseException:
-            self.slots.release(slot)
-            raise
-        return handle, slot
+        """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; the caller
+        waits for its agent and gives it its /init."""
+        return await self._on_new_slot(built, limits, mounts, self.runtime.create)
 
     async def restore(self, image: Path, built: Built, limits: Limits,
                       mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance from a materialised image (which stays: forks share one); its slot bound to it. `mounts`
         must be those the checkpointed instance had (its volumes)."""
+        return await self._on_new_slot(built, limits, mounts,
+                                       lambda spec, slot: self.runtime.restore(spec, image, slot))
+
+    async def _on_new_slot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...],
+                           start: Callable[[SandboxSpec, int], Handle]) -> tuple[Handle, int]:
         slot = self.slots.alloc()
         spec = self.spec(built, limits, mounts=mounts)
         try:
             self.slots.bind(slot, spec.name)
-            handle = await asyncio.to_thread(self.runtime.restore, spec, image, slot)
+            handle = await asyncio.to_thread(start, spec, slot)
         except BaseException:
             self.slots.release(slot)
             raise

@@ -361,7 +361,7 @@ class SandboxManager:
             log.info("sandbox %s reached its timeout; pausing it (autoPause%s)", row.sandbox_id,
                      ", files only" if files_only else "")
             try:
-                await (self._pause_files(row) if files_only else self._pause(row))
+                await self._pause(row, memory=not files_only)
                 return
             except Exception as exc:  # never lose it silently: a failed pause leaves it running
                 log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
@@ -437,43 +437,25 @@ class SandboxManager:
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> str:
         async with self._command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM) as row:
-            return await (self._pause(row) if memory else self._pause_files(row))
+            return await self._pause(row, memory)
 
-    async def _pause_files(self, row: SandboxRow) -> str:
-        """Keep the files, drop the memory: the instance is torn down once its files are published; a resume
-        cold-boots a new one with them (docs/design/sandbox-disk.md)."""
-        if not row.settings.disk_mb:
+    async def _pause(self, row: SandboxRow, memory: bool = True) -> str:
+        """Checkpoint the sandbox and stop its instance. Without memory only its files are kept, the instance is
+        torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md)."""
+        if not memory and not row.settings.disk_mb:
             raise Unsupported(f"sandbox {row.sandbox_id} keeps its files in memory (it was started by a release "
                               "before the disk): it can only pause with memory")
         self._set(row, State.PAUSING)
         self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
         try:
-            manifest = await self.checkpoints.take_files(row)
+            manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
         except BaseException:
             self._set(row, State.RUNNING)
             raise
         instance = row.instance()
         row.settings.checkpoint_id = manifest.checkpoint_id
-        row.settings.files_only = True
-        row.settings.retired = instance  # torn down in the background; a server killed meanwhile reaps it
-        retired = row.with_instance(instance)
-        row.runtime_name, row.address, row.slot = "", "", -1
-        self._set(row, State.PAUSED)
-        self.recorder.paused(row.session_id, manifest.checkpoint_id, False)
-        self.instances.in_background(self._retire(row.sandbox_id, retired))
-        return manifest.checkpoint_id
-
-    async def _pause(self, row: SandboxRow) -> str:
-        self._set(row, State.PAUSING)
-        self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
-        try:
-            manifest = await self.checkpoints.take(row, "pause")
-        except BaseException:
-            self._set(row, State.RUNNING)
-            raise
-        instance = row.instance()
-        row.settings.checkpoint_id = manifest.checkpoint_id
-        if self.standbys.enabled:
+        row.settings.files_only = not memory
+        if memory and self.standbys.enabled:
             # The instance stays frozen in exactly the checkpoint's state: resuming it soon is a thaw.
             stats = await asyncio.to_thread(self.runtime.cgroup_stats, handle_of(row))
             standby = Instance(instance.name, instance.slot, instance.address, since=time.time(),
@@ -486,7 +468,7 @@ class SandboxManager:
         retired = row.with_instance(instance)
         row.runtime_name, row.address, row.slot = "", "", -1
         self._set(row, State.PAUSED)
-        self.recorder.paused(row.session_id, manifest.checkpoint_id, True)
+        self.recorder.paused(row.session_id, manifest.checkpoint_id, memory)
         if row.settings.retired is not None:
             self.instances.in_background(self._retire(row.sandbox_id, retired))
         return manifest.checkpoint_id
