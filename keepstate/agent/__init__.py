@@ -1,8 +1,8 @@
 """The in-sandbox agent: an envd-compatible process and filesystem service (port 49983).
 
 Runs inside every sandbox as `python3 -m keepstate.agent`. It may import only `keepstate.agent.*`,
-`keepstate/__init__.py`, `keepstate/ports.py` and the packages pinned in `requirements.txt` (the sandbox has
-nothing else).
+`keepstate/__init__.py`, `keepstate/ports.py`, `keepstate/mountpoints.py` and the packages pinned in
+`requirements.txt` (the sandbox has nothing else).
 """
 
 from keepstate.ports import AGENT_PORT

@@ -25,26 +25,14 @@ from collections.abc import Iterator
 from typing import IO
 
 from keepstate.agent.asgi import HTTPError, Receive, Send, iter_body, send_json
+from keepstate.agent.mounts import mount_points
+from keepstate.mountpoints import TEMPLATE_VIEW
 
-TEMPLATE_VIEW = "/opt/keepstate/template"  # keepstate.runtime.gvisor mounts the template's root here
 WHITEOUT = ".wh."
 _CHUNK = 1 << 20
 
 
 # -- what changed -----------------------------------------------------------------------------------------------
-def mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[str]:
-    """Every mount point but the root: not the sandbox's disk (proc, dev, sys, our code, the template, volumes)."""
-    out = set()
-    with contextlib.suppress(OSError), open(mountinfo) as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4:
-                point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes " " as \040
-                if point != "/":
-                    out.add(point)
-    return out
-
-
 def _same(a: os.stat_result, b: os.stat_result | None) -> bool:
     return b is not None and (a.st_mode, a.st_uid, a.st_gid, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (
         b.st_mode, b.st_uid, b.st_gid, b.st_size, b.st_mtime_ns, b.st_ctime_ns)

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from keepstate.errors import BadRequest
+from keepstate.mountpoints import VOLUME_SLOTS
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
 from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.state import PUBLIC
@@ -182,7 +183,7 @@ def parse_create(body: Any) -> CreateRequest:
     )
 
 
-MAX_MOUNTS = 16
+MAX_MOUNTS = VOLUME_SLOTS  # the runtime has this many mount points for volumes
 # Where the sandbox's own machinery lives: a volume may not cover it, nor sit inside it.
 SYSTEM_PATHS = ("/proc", "/dev", "/sys", "/opt/keepstate")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import keepstate
+from keepstate.mountpoints import TEMPLATE_VIEW, VOLUME_MOUNTS_ENV, VOLUME_SLOTS, VOLUMES_DIR
 from keepstate.ports import AGENT_PORT
 
 from . import network
@@ -45,12 +46,9 @@ _SHIM = "mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && exec \"
 # no other namespace sees it, and it goes (loop device and all) with the sandbox's last process.
 _SHIM_DISK = ("mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && "
               "mount -o loop,nodev,nosuid,noexec \"$1\" \"$2\" && shift 2 && exec \"$@\"")
-TEMPLATE_VIEW = "/opt/keepstate/template"  # the template's root, read-only: what a filesystem-only pause diffs
-# Volume i is mounted at VOLUMES_DIR/i and bind-mounted at its path by the agent (KEEPSTATE_VOLUME_MOUNTS): runsc
+# Volume i is mounted at VOLUMES_DIR/i and bind-mounted at its path by the agent (VOLUME_MOUNTS_ENV): runsc
 # creates a missing mount point in the root's host directory, which is the template's and shared, so every mount
 # point of the spec exists in every build (template/builder.py makes them).
-VOLUMES_DIR = "/opt/keepstate/volumes"
-VOLUME_SLOTS = 16
 _DISK_FORMAT = ["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
@@ -78,7 +76,7 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
                 "PYTHONUNBUFFERED=1",
                 "HOME=/root",
                 "LANG=C.UTF-8",
-                "KEEPSTATE_VOLUME_MOUNTS=" + json.dumps([[f"{VOLUMES_DIR}/{i}", m.destination]
+                f"{VOLUME_MOUNTS_ENV}=" + json.dumps([[f"{VOLUMES_DIR}/{i}", m.destination]
                                                          for i, m in enumerate(spec.mounts)]),
             ],
             "cwd": "/",

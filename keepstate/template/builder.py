@@ -27,7 +27,7 @@ import blake3
 
 from keepstate.config import home
 from keepstate.errors import KeepStateError, Unavailable
-from keepstate.runtime.gvisor import TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
+from keepstate.mountpoints import TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
 
 from .definition import Defaults, Definition, agent_requirements, definition_digest, load
 
