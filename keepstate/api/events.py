@@ -9,11 +9,11 @@ import asyncio
 
 from aiohttp import web
 
-from keepstate.errors import BadRequest, NotFound
+from keepstate.errors import NotFound
 from keepstate.session import EventLog, Lineage
 
 from .control import sid
-from .schemas import query_int
+from .schemas import query_bool, query_int
 
 routes = web.RouteTableDef()
 MAX_LIMIT = 10_000
@@ -36,14 +36,12 @@ async def list_events(request: web.Request) -> web.Response:
     session_id = sid(request)
     after = query_int(request.query, "after", 0, 0, MAX_SEQ)
     limit = min(query_int(request.query, "limit", MAX_LIMIT, 1, MAX_SEQ), MAX_LIMIT)
-    verify = request.query.get("verify", "").lower()
-    if verify not in ("", "true", "false", "1", "0"):
-        raise BadRequest("query parameter verify must be true or false")
+    verify = query_bool(request.query, "verify")
     events = await asyncio.to_thread(log.read, session_id, after, limit)
     if not events and not await asyncio.to_thread(log.exists, session_id):
         raise NotFound(f"no events for sandbox {session_id}")
     body: dict[str, object] = {"sessionId": session_id, "events": [e.to_dict() for e in events]}
-    if verify in ("true", "1"):
+    if verify:
         body["verified"] = (await asyncio.to_thread(log.verify, session_id)).to_dict()
     return web.json_response(body)
 

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, overload
 from urllib.parse import unquote
 
 from keepstate.errors import BadRequest
@@ -249,7 +249,15 @@ def parse_timeout_body(body: Any, required: bool) -> int:
     return seconds
 
 
-def query_int(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+@overload
+def query_int(query: Mapping[str, str], name: str, default: int, low: int, high: int) -> int: ...
+
+
+@overload
+def query_int(query: Mapping[str, str], name: str, default: None, low: int, high: int) -> int | None: ...
+
+
+def query_int(query: Mapping[str, str], name: str, default: int | None, low: int, high: int) -> int | None:
     """An integer query parameter from `low` to `high`; absent or empty means `default`."""
     raw = query.get(name, "")
     if raw == "":
@@ -261,6 +269,16 @@ def query_int(query: Mapping[str, str], name: str, default: int, low: int, high:
     if not low <= value <= high:
         raise BadRequest(f"query parameter `{name}` must be from {low} to {high}")
     return value
+
+
+def query_bool(query: Mapping[str, str], name: str) -> bool:
+    """A boolean query parameter: true or 1, false or 0 (any case); absent or empty means false."""
+    raw = query.get(name, "").lower()
+    if raw in ("", "false", "0"):
+        return False
+    if raw in ("true", "1"):
+        return True
+    raise BadRequest(f"query parameter `{name}` must be true or false, got {raw!r}")
 
 
 def query_choice(query: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str | None:

@@ -68,30 +68,9 @@ async def destroy(request: web.Request) -> web.Response:
 
 
 # -- content ---------------------------------------------------------------------------------------------------
-def _int(query: Mapping[str, str], name: str, low: int, high: int) -> int | None:
-    raw = query.get(name, "")
-    if raw == "":
-        return None
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise BadRequest(f"query parameter `{name}` must be a whole number, got {raw!r}") from None
-    if not low <= value <= high:
-        raise BadRequest(f"query parameter `{name}` must be from {low} to {high}")
-    return value
-
-
-def _bool(query: Mapping[str, str], name: str) -> bool:
-    raw = query.get(name, "").lower()
-    if raw in ("", "false", "0"):
-        return False
-    if raw in ("true", "1"):
-        return True
-    raise BadRequest(f"query parameter `{name}` must be true or false, got {raw!r}")
-
-
 def _owner(query: Mapping[str, str]) -> tuple[int | None, int | None, int | None]:
-    return (_int(query, "uid", 0, 2**32 - 2), _int(query, "gid", 0, 2**32 - 2), _int(query, "mode", 0, 0o7777))
+    return (schemas.query_int(query, "uid", None, 0, 2**32 - 2), schemas.query_int(query, "gid", None, 0, 2**32 - 2),
+            schemas.query_int(query, "mode", None, 0, 0o7777))
 
 
 def _path(request: web.Request) -> str:
@@ -108,7 +87,7 @@ async def _authorized(request: web.Request) -> tuple[Volumes, VolumeRecord]:
 @routes.get("/volumecontent/{volume_id}/dir")
 async def list_dir(request: web.Request) -> web.Response:
     store, vol = await _authorized(request)
-    path, depth = _path(request), _int(request.query, "depth", 1, 16) or 1
+    path, depth = _path(request), schemas.query_int(request.query, "depth", 1, 1, 16)
     async with store.gate(vol.volume_id).shared():
         entries = await asyncio.to_thread(store.root(vol).listdir, path, depth)
     return web.json_response(entries)
@@ -117,7 +96,7 @@ async def list_dir(request: web.Request) -> web.Response:
 @routes.post("/volumecontent/{volume_id}/dir")
 async def make_dir(request: web.Request) -> web.Response:
     store, vol = await _authorized(request)
-    path, (uid, gid, mode), force = _path(request), _owner(request.query), _bool(request.query, "force")
+    path, (uid, gid, mode), force = _path(request), _owner(request.query), schemas.query_bool(request.query, "force")
     async with store.gate(vol.volume_id).shared():
         entry = await asyncio.to_thread(store.root(vol).mkdir, path, uid, gid, mode, force)
     return web.json_response(entry, status=201)
@@ -182,7 +161,7 @@ async def read_file(request: web.Request) -> web.StreamResponse:
 @routes.put("/volumecontent/{volume_id}/file")
 async def write_file(request: web.Request) -> web.Response:
     store, vol = await _authorized(request)
-    path, (uid, gid, mode), force = _path(request), _owner(request.query), _bool(request.query, "force")
+    path, (uid, gid, mode), force = _path(request), _owner(request.query), schemas.query_bool(request.query, "force")
     length = request.content_length
     try:
         async with store.gate(vol.volume_id).shared():
