@@ -8,12 +8,10 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
+from tests.sdk.sdkharness import boot_id
+
 from .conftest import Fleet, sdk_opts, store_path
 from .test_crash import history, ks
-
-
-def boot_id(sbx: Sandbox) -> str:
-    return sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
 
 
 def test_sigkill_between_a_filesystem_pause_and_its_resume(fleet: Fleet) -> None:

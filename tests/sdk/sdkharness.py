@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
@@ -83,3 +84,20 @@ def make_key(home: str) -> str:
     env = {**os.environ, "KEEPSTATE_HOME": home}
     return subprocess.check_output([str(KEEPSTATE), "keys", "create", "sdk-tests"], env=env,
                                    stderr=subprocess.DEVNULL).decode().strip()
+
+
+def has_snapshot_modes(sandbox_class: type) -> bool:
+    """Whether this SDK release names the kinds of pause (`pause(mode=...)`); e2b 2.50 has only `keep_memory`."""
+    return "mode" in inspect.signature(sandbox_class.pause).parameters
+
+
+def pause_files(sbx: Any) -> bool:
+    """A filesystem-only pause in the SDK's words: `mode="filesystem"` (newest), `keep_memory=False` (2.50)."""
+    if has_snapshot_modes(type(sbx)):
+        return bool(sbx.pause(mode="filesystem"))
+    return bool(sbx.pause(keep_memory=False))
+
+
+def boot_id(sbx: Any) -> str:
+    """The sandbox kernel's boot id: a cold boot changes it, a restore of memory does not."""
+    return str(sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip())

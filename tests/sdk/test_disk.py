@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import inspect
 import json
 import time
 import urllib.error
@@ -20,7 +19,7 @@ from e2b import Sandbox
 from e2b.exceptions import SandboxException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
-from sdkharness import Server
+from sdkharness import Server, boot_id, has_snapshot_modes, pause_files
 
 
 def raw(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -87,17 +86,6 @@ def test_disk_size_is_checked(server: Server) -> None:
     for bad in (0, 10, "big", 1.5, 1 << 30):
         status, body = raw(server, "POST", "/sandboxes", {"templateID": "base", "diskSizeMB": bad})
         assert status == 400 and "diskSizeMB" in body["message"], (bad, body)
-
-
-def pause_files(sbx: Sandbox) -> bool:
-    """A filesystem-only pause in the SDK's words: `mode="filesystem"` (newest), `keep_memory=False` (2.50)."""
-    if "mode" in inspect.signature(Sandbox.pause).parameters:
-        return sbx.pause(mode="filesystem")
-    return sbx.pause(keep_memory=False)
-
-
-def boot_id(sbx: Sandbox) -> str:
-    return sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
 
 
 def test_filesystem_pause_keeps_files_and_cold_boots(server: Server) -> None:
@@ -167,7 +155,7 @@ def test_concurrent_pauses_of_both_kinds_one_wins(server: Server) -> None:
 
 
 def test_auto_pause_on_timeout_keeps_files_only_when_asked(server: Server) -> None:
-    if "mode" not in inspect.signature(Sandbox.pause).parameters:
+    if not has_snapshot_modes(Sandbox):
         pytest.skip("this SDK release has no snapshot modes: its lifecycle cannot ask for a filesystem-only pause")
     try:
         sbx = Sandbox.create(timeout=2, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})

@@ -6,7 +6,6 @@ Imports no keepstate code. SDK releases without volumes (e2b 2.45, 2.50) skip wi
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sdkharness import Server, make_key, start_server
+from sdkharness import Server, make_key, pause_files, start_server
 
 try:
     from e2b import Volume
@@ -301,10 +300,7 @@ def test_a_filesystem_only_pause_keeps_the_sandbox_files_and_mounts_the_volume_a
     sbx = Sandbox.create(timeout=300, volume_mounts={"/home/user/shared": vol})
     try:
         sbx.commands.run("echo -n mine > /home/user/own && echo -n theirs > /home/user/shared/in-volume")
-        if "mode" in inspect.signature(Sandbox.pause).parameters:
-            assert sbx.pause(mode="filesystem") is True
-        else:  # e2b 2.50
-            assert sbx.pause(keep_memory=False) is True
+        assert pause_files(sbx) is True
         vol.write_file("/while-paused", "new", force=True)
         sbx = Sandbox.connect(sbx.sandbox_id, timeout=300)
         assert sbx.commands.run("cat /home/user/own").stdout == "mine"
