@@ -60,6 +60,7 @@ class ServerConfig:
     runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
     volume_size_mb: int = DEFAULT_SIZE_MB  # a new volume's quota unless its create says (docs/design/volumes.md)
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
+    boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
 
 
 def _envd_version() -> str:
@@ -153,7 +154,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
-                             disk_mb=config.disk_mb, volumes=volumes)
+                             disk_mb=config.disk_mb, volumes=volumes, boot_images=config.boot_images)
     router = Router(manager)
     keys = KeyCache(catalog)
 

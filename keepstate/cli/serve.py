@@ -45,6 +45,10 @@ from .common import Command, home_option
               help="How volumes are kept: `ext4`, one sparse loop-mounted ext4 image per volume (needs root and "
                    "loop devices; the quota holds for sandboxes too), or `dir`, plain directories (the quota "
                    "holds for the content API only). docs/design/volumes.md")
+@click.option("--boot-images/--no-boot-images", default=True, show_default=True,
+              help="Start a template's sandboxes by restoring a checkpoint of its first fresh boot (taken before "
+                   "it holds any token or session) instead of booting each: a fraction of a cold boot's CPU. "
+                   "Templates with services, and sandboxes with volumes, always boot.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
@@ -55,7 +59,7 @@ from .common import Command, home_option
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, volume_size_mb: int,
-          volume_backend: str, reap_on_exit: bool, runtime_kind: str, log_level: str) -> None:
+          volume_backend: str, boot_images: bool, reap_on_exit: bool, runtime_kind: str, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -82,7 +86,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
-                          volume_backend=volume_backend)
+                          volume_backend=volume_backend, boot_images=boot_images)
     try:
         import uvloop
 

@@ -20,7 +20,8 @@ from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailur
 from keepstate.template.builder import Built
 from keepstate.volume import Volumes
 
-from .agent_client import AgentClient, agent_url
+from .agent_client import SETTLE, AgentClient, agent_url
+from .boot_images import BootImages
 from .record import SandboxRow
 from .slots import Slots
 from .state import State
@@ -43,8 +44,10 @@ def new_runtime_name() -> str:
 
 class Instances:
     def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
-                 templates: Templates, volumes: Volumes | None = None) -> None:
+                 templates: Templates, volumes: Volumes | None = None,
+                 boot_images: BootImages | None = None) -> None:
         self.catalog = catalog
+        self.boot_images = boot_images
         self.volumes = volumes
         self.runtime = runtime
         self.slots = slots
@@ -67,7 +70,26 @@ class Instances:
         return tuple(Mount(self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts)
 
     async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> SandboxRow:
-        """A new instance of a template build, agent answering and services listening, as a POOLED row."""
+        """A new instance of a template build, agent answering and services listening, as a POOLED row: restored
+        from the build's boot image when it has one (boot_images.py), else booted (and, if it has none yet,
+        captured as the image)."""
+        key = None
+        if self.boot_images is not None and not mounts and not self.templates.service_ports(built.name):
+            key = self.boot_images.key(built.digest, limits)
+            image = self.boot_images.image(key)
+            if image is not None:
+                try:
+                    return await self._start(built, limits, mounts, image)
+                except RuntimeFailure as exc:
+                    self.boot_images.discard(key, f"a restore from it failed: {exc}")
+        row = await self._start(built, limits, mounts, None)
+        if key is not None and self.boot_images is not None and self.boot_images.wanted(key):
+            await asyncio.sleep(SETTLE)  # wait_ready's connection is closed: let the netstack see it
+            await self.boot_images.capture(key, handle_of(row))
+        return row
+
+    async def _start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...],
+                     image: Path | None) -> SandboxRow:
         slot = self.slots.alloc()
         spec = self.spec(built, limits, mounts=mounts)
         now = time.time()
@@ -77,11 +99,15 @@ class Instances:
         self.catalog.put_sandbox(row)
         self.slots.bind(slot, spec.name)
         try:
-            handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+            if image is None:
+                handle = await asyncio.to_thread(self.runtime.create, spec, slot)
+            else:
+                handle = await asyncio.to_thread(self.runtime.restore, spec, image, slot)
             assert handle.endpoint is not None
             row.address = handle.endpoint.address
             self.catalog.put_sandbox(row)
-            await self.agents.wait_ready(row.sandbox_id, row.address, AGENT_READY_TIMEOUT)
+            await self.agents.wait_ready(row.sandbox_id, row.address,
+                                         AGENT_READY_TIMEOUT if image is None else RESTORED_AGENT_TIMEOUT)
             await self.wait_services(row, built)
         except BaseException:
             await self.reap(row)

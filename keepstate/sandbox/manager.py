@@ -36,6 +36,7 @@ from keepstate.volume import Volumes
 
 from . import adopt, loops
 from .agent_client import AgentClient, Quiesced, agent_url
+from .boot_images import BootImages
 from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
 from .durable import Durability
 from .gateway_runs import GatewayRuns
@@ -89,7 +90,8 @@ class SandboxManager:
     def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
-                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None) -> None:
+                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
+                 boot_images: bool = True) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -101,7 +103,8 @@ class SandboxManager:
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
         self.volumes = volumes
-        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates, volumes)
+        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates, volumes,
+                                   BootImages(catalog.path.parent, runtime, boot_images))
         self.gateway = GatewayRuns(gateway, gateway_url)
         self.checkpoints = Checkpoints(self.instances, durable, recorder, self.agents, self.gateway, runtime,
                                        host_name)

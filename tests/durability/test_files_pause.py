@@ -8,7 +8,7 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from tests.sdk.sdkharness import boot_id
+from tests.sdk.sdkharness import start_marker, survived
 
 from .conftest import Fleet, sdk_opts, store_path
 from .test_crash import history, ks
@@ -19,7 +19,7 @@ def test_sigkill_between_a_filesystem_pause_and_its_resume(fleet: Fleet) -> None
     opts = sdk_opts(srv)
     sbx = Sandbox.create(timeout=300, metadata={"kept": "yes"}, envs={"MINE": "mine"}, **opts)
     sbx.files.write("/home/user/work/result.json", '{"done": true}')
-    before = boot_id(sbx)
+    before = start_marker(sbx)
     sbx.pause(mode="filesystem")
     port = int(srv.url.rsplit(":", 1)[1])
     fleet.sigkill(srv)
@@ -29,7 +29,7 @@ def test_sigkill_between_a_filesystem_pause_and_its_resume(fleet: Fleet) -> None
     assert Sandbox.get_info(sbx.sandbox_id, **opts2).state.value == "paused"
     again = Sandbox.connect(sbx.sandbox_id, **opts2)
     assert again.files.read("/home/user/work/result.json") == '{"done": true}'
-    assert boot_id(again) != before
+    assert not survived(again, before)
     assert again.commands.run("echo $MINE").stdout.strip() == "mine"  # the create's environment, again
     assert Sandbox.get_info(sbx.sandbox_id, **opts2).metadata == {"kept": "yes"}
     pause = [e for e in history(srv2, sbx.sandbox_id) if e["kind"] == "sandbox.pause"]

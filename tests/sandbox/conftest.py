@@ -87,6 +87,9 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
         app = create_app(ServerConfig(home=home, **options), runtime)
     else:
         runtime = runtime or FakeRuntime()
+        # Lifecycle tests count the fake's creates and restores: boot images (tests/sandbox/test_boot_images.py)
+        # only where asked for.
+        options.setdefault("boot_images", False)
         app = create_app(ServerConfig(home=home, runtime="fake", **options), runtime, FakeTemplates())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

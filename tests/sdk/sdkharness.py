@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import secrets
 import socket
 import subprocess
 import time
@@ -98,6 +99,15 @@ def pause_files(sbx: Any) -> bool:
     return bool(sbx.pause(keep_memory=False))
 
 
-def boot_id(sbx: Any) -> str:
-    """The sandbox kernel's boot id: a cold boot changes it, a restore of memory does not."""
-    return str(sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip())
+def start_marker(sbx: Any) -> str:
+    """Start a process that only this instance's memory holds; `survived` tells whether it is still there (a
+    restore of memory keeps it, a new boot does not). Not `boot_id`: sandboxes restored from one boot image
+    (docs/design/boot-images.md) share it."""
+    marker = f"sleep {secrets.randbelow(10**6) + 10**6}"
+    sbx.commands.run(marker, background=True)
+    assert survived(sbx, marker)
+    return marker
+
+
+def survived(sbx: Any, marker: str) -> bool:
+    return bool(sbx.commands.run(f"pgrep -fx '{marker}' || true").stdout.strip())

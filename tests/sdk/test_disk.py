@@ -19,7 +19,7 @@ from e2b import Sandbox
 from e2b.exceptions import SandboxException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
-from sdkharness import Server, boot_id, has_snapshot_modes, pause_files
+from sdkharness import Server, has_snapshot_modes, pause_files, start_marker, survived
 
 
 def raw(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -95,7 +95,7 @@ def test_filesystem_pause_keeps_files_and_cold_boots(server: Server) -> None:
                      "chmod 640 /home/user/notes/a.txt && rm /home/user/.bashrc")
     sbx.commands.run("sudo sh -c 'rm /etc/motd; echo changed > /etc/issue'")
     blob = sbx.commands.run("md5sum /home/user/blob").stdout.split()[0]
-    before = boot_id(sbx)
+    before = start_marker(sbx)
     sbx.commands.run("sleep 600", background=True)
 
     assert pause_files(sbx) is True
@@ -106,7 +106,7 @@ def test_filesystem_pause_keeps_files_and_cold_boots(server: Server) -> None:
     again = Sandbox.connect(sbx.sandbox_id)
     try:
         assert again.sandbox_id == sbx.sandbox_id
-        assert boot_id(again) != before  # a new boot
+        assert not survived(again, before)  # a new boot
         assert again.files.read("/home/user/notes/a.txt") == "kept across a cold boot"
         assert again.commands.run("md5sum /home/user/blob").stdout.split()[0] == blob
         assert again.commands.run("readlink /home/user/link").stdout.strip() == "notes/a.txt"
