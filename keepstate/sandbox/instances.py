@@ -20,6 +20,7 @@ from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailur
 from keepstate.template.builder import Built
 from keepstate.volume import Volumes
 
+from .admission import StartQueue
 from .agent_client import AgentClient, agent_url
 from .record import SandboxRow
 from .slots import Slots
@@ -43,8 +44,9 @@ def new_runtime_name() -> str:
 
 class Instances:
     def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
-                 templates: Templates, volumes: Volumes | None = None) -> None:
+                 templates: Templates, starts: StartQueue, volumes: Volumes | None = None) -> None:
         self.catalog = catalog
+        self.starts = starts  # every start holds one of its slots: here (start), or its caller (boot, restore)
         self.volumes = volumes
         self.runtime = runtime
         self.slots = slots
@@ -66,8 +68,14 @@ class Instances:
             raise RuntimeFailure("this server has no volume store, yet a sandbox mounts volumes")
         return tuple(Mount(self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts)
 
-    async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> SandboxRow:
-        """A new instance of a template build, agent answering and services listening, as a POOLED row."""
+    async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = (),
+                    refill: bool = False) -> SandboxRow:
+        """A new instance of a template build, agent answering and services listening, as a POOLED row; under a
+        start slot (a pool's refill waits behind every user start; a user start may be refused: Busy)."""
+        async with self.starts.slot(refill):
+            return await self._start(built, limits, mounts)
+
+    async def _start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...]) -> SandboxRow:
         slot = self.slots.alloc()
         spec = self.spec(built, limits, mounts=mounts)
         now = time.time()
@@ -90,13 +98,13 @@ class Instances:
 
     async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; the caller
-        waits for its agent and gives it its /init."""
+        holds a start slot, waits for its agent and gives it its /init."""
         return await self._on_new_slot(built, limits, mounts, self.runtime.create)
 
     async def restore(self, image: Path, built: Built, limits: Limits,
                       mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance from a materialised image (which stays: forks share one); its slot bound to it. `mounts`
-        must be those the checkpointed instance had (its volumes)."""
+        must be those the checkpointed instance had (its volumes). The caller holds a start slot."""
         return await self._on_new_slot(built, limits, mounts,
                                        lambda spec, slot: self.runtime.restore(spec, image, slot))
 
