@@ -6,9 +6,14 @@
     ├── NotFound              404  unknown sandbox, template, snapshot, checkpoint
     ├── Conflict              409  illegal in the current lifecycle state (already paused, ...)
     ├── PayloadTooLarge       413
-    ├── Unavailable           503  capacity or a dependency is missing right now (retryable)
+    ├── TooMany               429  an API key's limit of running sandboxes is reached
+    ├── Unavailable           503  capacity or a dependency is missing right now
+    │   └── Busy              503  the host is busy starting sandboxes: retry after `retry_after` seconds
     ├── Refused               422  understood but refused for safety (e.g. incompatible restore)
     └── Unsupported           501  a feature this server does not offer (said loudly, never ignored)
+
+A 5xx carries `Should-Retry: false` (the SDK must not repeat a call that may have had effects), except Busy: it
+is refused before anything was done, so it says `Should-Retry: true` and `Retry-After` (docs/design/admission.md).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class KeepStateError(Exception):
         if self.error_code:
             out["error_code"] = self.error_code
         return out
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "false"} if self.status >= 500 else {}
 
 
 class BadRequest(KeepStateError):
@@ -49,12 +57,28 @@ class PayloadTooLarge(KeepStateError):
     status = 413
 
 
+class TooMany(KeepStateError):
+    status = 429
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "false"}  # only a kill or a pause frees a place: an immediate retry is refused again
+
+
 class Refused(KeepStateError):
     status = 422
 
 
 class Unavailable(KeepStateError):
     status = 503
+
+
+class Busy(Unavailable):
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "true", "Retry-After": str(self.retry_after)}
 
 
 class Unsupported(KeepStateError):

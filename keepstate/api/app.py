@@ -23,6 +23,7 @@ from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime import network
 from keepstate.runtime.base import Runtime
+from keepstate.sandbox.admission import AdmissionConfig
 from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
@@ -61,6 +62,7 @@ class ServerConfig:
     volume_size_mb: int = DEFAULT_SIZE_MB  # a new volume's quota unless its create says (docs/design/volumes.md)
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
     boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
 
 
 def _envd_version() -> str:
@@ -154,7 +156,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
-                             disk_mb=config.disk_mb, volumes=volumes, boot_images=config.boot_images)
+                             disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
+                             boot_images=config.boot_images)
     router = Router(manager)
     keys = KeyCache(catalog)
 

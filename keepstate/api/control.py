@@ -58,7 +58,7 @@ async def health(request: web.Request) -> web.Response:
     for pool in m.pools.values():
         pools[pool.template] = pools.get(pool.template, 0) + len(pool)
     return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
-                              "running": len(m.running())})
+                              "running": len(m.running()), "admission": m.admission()})
 
 
 @routes.post("/v2/sandboxes")
@@ -262,5 +262,4 @@ async def fork(request: web.Request) -> web.Response:
 
 
 def error_response(exc: KeepStateError) -> web.Response:
-    headers = {"Should-Retry": "false"} if exc.status >= 500 else None
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers() or None)

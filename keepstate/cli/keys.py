@@ -8,7 +8,7 @@ import click
 
 from keepstate.config import home
 from keepstate.db.catalog import API_KEY_FORMAT, Catalog
-from keepstate.errors import NotFound
+from keepstate.errors import BadRequest, NotFound
 
 from .common import Group, emit_json, home_option, json_option
 
@@ -26,6 +26,8 @@ def keys() -> None:
     \b
     Examples:
       keepstate keys create ci-runner     # prints the key once; store it
+      keepstate keys create ci --max-sandboxes 10   # at most 10 running sandboxes at once
+      keepstate keys limit ci 20          # change it (0: unlimited; `default`: the server's)
       keepstate keys ls --json
       keepstate keys revoke key_1a2b3c4d5e6f
     """
@@ -33,12 +35,39 @@ def keys() -> None:
 
 @keys.command("create")
 @click.argument("name")
+@click.option("--max-sandboxes", type=click.IntRange(min=0), default=None,
+              help="Running sandboxes this key may have at once (0: unlimited); default: the server's "
+                   "--max-sandboxes-per-key.")
 @home_option
-def create(name: str) -> None:
+def create(name: str, max_sandboxes: int | None) -> None:
     """Create a key called NAME and print it (it is shown only this once)."""
-    key, secret = _catalog().create_key(name)
+    key, secret = _catalog().create_key(name, max_sandboxes=max_sandboxes)
     click.echo(secret)
     click.echo(f"created {key.id} ({name}); export E2B_API_KEY={secret}", err=True)
+
+
+@keys.command("limit")
+@click.argument("key")
+@click.argument("max_sandboxes")
+@home_option
+def limit(key: str, max_sandboxes: str) -> None:
+    """Set how many running sandboxes the key KEY (its name or ID) may have at once: a number (0: unlimited) or
+    `default` (the server's --max-sandboxes-per-key). Servers apply it from their next create on."""
+    if max_sandboxes == "default":
+        value = None
+    elif max_sandboxes.isdecimal():
+        value = int(max_sandboxes)
+    else:
+        raise BadRequest(f"MAX_SANDBOXES must be a whole number (0: unlimited) or `default`, not {max_sandboxes!r}")
+    cat = _catalog()
+    found = [k for k in cat.list_keys() if k.revoked_at is None and key in (k.id, k.name)]
+    if not found:
+        raise NotFound(f"no active key named or with id {key!r}; see `keepstate keys ls`")
+    if len(found) > 1:
+        raise BadRequest(f"{len(found)} active keys are named {key!r}: name one by its ID (`keepstate keys ls`)")
+    cat.set_key_limit(found[0].id, value)
+    shown = "the server's default" if value is None else "unlimited" if value == 0 else str(value)
+    click.echo(f"{found[0].id} ({found[0].name}): at most {shown} running sandboxes", err=True)
 
 
 @keys.command("ls")
@@ -50,10 +79,12 @@ def ls(as_json: bool) -> None:
     if as_json:
         emit_json([k.__dict__ for k in rows])
         return
-    click.echo(f"{'ID':<18} {'NAME':<20} {'PREFIX':<8} {'CREATED':<20} STATUS")
+    click.echo(f"{'ID':<18} {'NAME':<20} {'PREFIX':<8} {'CREATED':<20} {'MAX':<10} STATUS")
     for k in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(k.created_at))
-        click.echo(f"{k.id:<18} {k.name:<20} {k.prefix:<8} {created:<20} {'revoked' if k.revoked_at else 'active'}")
+        most = "default" if k.max_sandboxes is None else "unlimited" if k.max_sandboxes == 0 else str(k.max_sandboxes)
+        click.echo(f"{k.id:<18} {k.name:<20} {k.prefix:<8} {created:<20} {most:<10} "
+                   f"{'revoked' if k.revoked_at else 'active'}")
 
 
 @keys.command("revoke")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from keepstate.config import DEFAULT_DISK_MB, home
+from keepstate.config import DEFAULT_DISK_MB, MAX_SANDBOXES_PER_KEY, START_WAIT_SECONDS, home
 from keepstate.ports import API_PORT, GATEWAY_PORT
 
 from .common import Command, home_option
@@ -49,6 +49,20 @@ from .common import Command, home_option
               help="Start a template's sandboxes by restoring a checkpoint of its first fresh boot (taken before "
                    "it holds any token or session) instead of booting each: a fraction of a cold boot's CPU. "
                    "Templates with services, and sandboxes with volumes, always boot.")
+@click.option("--max-starts", type=click.IntRange(min=1), default=None,
+              help="Sandbox starts (cold starts, restores: create, pool refill, resume, fork, snapshot-create) run "
+                   "at once; more wait in line. Default max(4, 2 x CPUs). docs/design/admission.md")
+@click.option("--start-queue", type=click.IntRange(min=0), default=None,
+              help="Starts that may wait for one of those, first come first served; one more is refused with 503 "
+                   "and Retry-After. Default 4 x --max-starts.")
+@click.option("--start-wait", type=click.FloatRange(min=0), default=START_WAIT_SECONDS, show_default=True,
+              help="Seconds a start waits in line before it is refused (503, Retry-After).")
+@click.option("--max-sandboxes", type=click.IntRange(min=0), default=None,
+              help="Sandboxes this host holds at most (running, pre-started and paused in memory); a create beyond "
+                   "is a 503. Default min(MemTotal / 64 MiB, 200 x CPUs, network slots); 0: no limit.")
+@click.option("--max-sandboxes-per-key", type=click.IntRange(min=0), default=MAX_SANDBOXES_PER_KEY, show_default=True,
+              help="Running sandboxes of one API key at once (paused ones do not count); beyond is a 429. 0: no "
+                   "limit. A key's own limit (`keepstate keys limit NAME N`) wins.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
@@ -59,7 +73,9 @@ from .common import Command, home_option
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, volume_size_mb: int,
-          volume_backend: str, boot_images: bool, reap_on_exit: bool, runtime_kind: str, log_level: str) -> None:
+          volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
+          max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, reap_on_exit: bool,
+          runtime_kind: str, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -73,6 +89,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
     from aiohttp import web
 
     from keepstate.api.app import ServerConfig, create_app
+    from keepstate.sandbox.admission import AdmissionConfig
     from keepstate.template import builder
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -86,7 +103,10 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
-                          volume_backend=volume_backend, boot_images=boot_images)
+                          volume_backend=volume_backend, boot_images=boot_images,
+                          admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
+                                                    start_wait=start_wait, max_sandboxes=max_sandboxes,
+                                                    max_sandboxes_per_key=max_sandboxes_per_key))
     try:
         import uvloop
 

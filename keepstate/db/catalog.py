@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     key_hash TEXT NOT NULL UNIQUE,
     prefix TEXT NOT NULL,
     created_at REAL NOT NULL,
-    revoked_at REAL
+    revoked_at REAL,
+    max_sandboxes INTEGER
 );
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id TEXT PRIMARY KEY,
@@ -67,6 +68,14 @@ CREATE TABLE IF NOT EXISTS volumes (
 );
 """
 
+# Version 1 (no `schema_version` in meta) had no api_keys.max_sandboxes; what turns it into version 2:
+SCHEMA_VERSION = 2
+_MIGRATE_1_TO_2 = ("ALTER TABLE api_keys ADD COLUMN max_sandboxes INTEGER",)
+
+
+class CatalogError(RuntimeError):
+    pass
+
 
 @dataclass
 class ApiKey:
@@ -75,6 +84,7 @@ class ApiKey:
     prefix: str
     created_at: float
     revoked_at: float | None = None
+    max_sandboxes: int | None = None  # running sandboxes at once; None: the server's --max-sandboxes-per-key
 
 
 # E2B's format: some SDK releases (e2b 2.45) refuse any other before sending a request. Keys issued before in our
@@ -103,6 +113,28 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a catalog of an older schema to SCHEMA_VERSION (a server and the CLI may open it at once: one
+        transaction decides)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._db.execute("SELECT v FROM meta WHERE k='schema_version'").fetchone()
+            version = int(row[0]) if row else 1
+            if version > SCHEMA_VERSION:
+                raise CatalogError(f"{self.path}: catalog schema version {version}; this release reads up to "
+                                   f"{SCHEMA_VERSION} (a newer keepstate wrote it)")
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(api_keys)")}
+            if version < 2 and "max_sandboxes" not in columns:  # a new catalog has it from SCHEMA already
+                for stmt in _MIGRATE_1_TO_2:
+                    self._db.execute(stmt)
+            self._db.execute("INSERT INTO meta (k,v) VALUES ('schema_version',?) ON CONFLICT(k) DO UPDATE "
+                             "SET v=excluded.v", (str(SCHEMA_VERSION),))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()
@@ -112,12 +144,23 @@ class Catalog:
             return self._db.execute(sql, args).fetchall()
 
     # -- API keys ------------------------------------------------------------------
-    def create_key(self, name: str, key: str | None = None) -> tuple[ApiKey, str]:
+    def create_key(self, name: str, key: str | None = None, max_sandboxes: int | None = None) -> tuple[ApiKey, str]:
         key = key or new_api_key()
-        k = ApiKey(id="key_" + secrets.token_hex(6), name=name, prefix=key[:8], created_at=time.time())
-        self._q("INSERT INTO api_keys (id,name,key_hash,prefix,created_at) VALUES (?,?,?,?,?)",
-                (k.id, k.name, hash_key(key), k.prefix, k.created_at))
+        k = ApiKey(id="key_" + secrets.token_hex(6), name=name, prefix=key[:8], created_at=time.time(),
+                   max_sandboxes=max_sandboxes)
+        self._q("INSERT INTO api_keys (id,name,key_hash,prefix,created_at,max_sandboxes) VALUES (?,?,?,?,?,?)",
+                (k.id, k.name, hash_key(key), k.prefix, k.created_at, max_sandboxes))
         return k, key
+
+    def get_key(self, key_id: str) -> ApiKey | None:
+        rows = self._q("SELECT * FROM api_keys WHERE id=?", (key_id,))
+        return self._key(rows[0]) if rows else None
+
+    def set_key_limit(self, key_id: str, max_sandboxes: int | None) -> bool:
+        """A key's own limit of running sandboxes (0: unlimited; None: the server's default)."""
+        with self._lock:
+            cur = self._db.execute("UPDATE api_keys SET max_sandboxes=? WHERE id=?", (max_sandboxes, key_id))
+            return cur.rowcount > 0
 
     def find_key(self, key: str) -> ApiKey | None:
         rows = self._q("SELECT * FROM api_keys WHERE key_hash=? AND revoked_at IS NULL", (hash_key(key),))
@@ -135,7 +178,7 @@ class Catalog:
     @staticmethod
     def _key(r: sqlite3.Row) -> ApiKey:
         return ApiKey(id=r["id"], name=r["name"], prefix=r["prefix"], created_at=r["created_at"],
-                      revoked_at=r["revoked_at"])
+                      revoked_at=r["revoked_at"], max_sandboxes=r["max_sandboxes"])
 
     def get_meta(self, k: str) -> str | None:
         rows = self._q("SELECT v FROM meta WHERE k=?", (k,))

@@ -12,6 +12,7 @@ RESUMING); nothing here changes a sandbox's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import shutil
@@ -20,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from keepstate.errors import KeepStateError
-from keepstate.runtime.base import Endpoint, Handle, Limits, Runtime, RuntimeFailure
+from keepstate.errors import Busy, KeepStateError
+from keepstate.runtime.base import Endpoint, Handle, Limits, Mount, Runtime, RuntimeFailure
 from keepstate.session import SessionRecorder
 from keepstate.store import EventRef, Manifest
 from keepstate.store.ids import new_checkpoint_id
@@ -166,47 +167,57 @@ class Checkpoints:
         image = await asyncio.to_thread(self.durable.materialise, manifest)
         memory = has_memory(manifest)
         mounts = self.instances.mounts(row.settings.volume_mounts)
-        started = time.monotonic()
         limits = row_limits(row)
         claimed = pooled(built, limits) if pooled is not None and not memory and not mounts else None
         pooled_token = claimed.access_token if claimed is not None else None  # its agent's, until our /init
+        # A new instance is a start (a claimed warm one is not): from here, when the image is on this host.
         try:
-            if memory:
-                handle, slot = await self.instances.restore(image, built, limits, mounts)
-            elif claimed is not None:
-                # Its pool record goes now: a server killed from here on reaps the instance as unknown, never
-                # hands it out again with these files in it.
-                self.instances.catalog.delete_sandbox(claimed.sandbox_id)
-                handle = Handle(claimed.runtime_name, claimed.slot, Endpoint(claimed.address))
-                slot = claimed.slot
-            else:
-                handle, slot = await self.instances.boot(built, limits, mounts)
-            assert handle.endpoint is not None
-            fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
-            try:
-                if claimed is None:
-                    await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
-                if not memory:  # a cold boot: its files, then everything /init sets for a sandbox handed out
-                    booted = time.monotonic()
-                    entries = await self.agents.apply_files(row.sandbox_id, fresh.address, image / FILES_ARCHIVE,
-                                                            pooled_token)
-                    applied = time.monotonic()
-                    if claimed is None:
-                        await self.instances.wait_services(fresh, built)
-                    await self.instances.init_agent(fresh, self.gateway.env(fresh), previous_token=pooled_token)
-                    log.info("cold boot of %s from %s (%s): booted in %.0f ms, %d entries applied in %.0f ms, ready "
-                             "%.0f ms later", row.sandbox_id, checkpoint_id, "pooled" if claimed else "new",
-                             (booted - started) * 1000, entries, (applied - booted) * 1000,
-                             (time.monotonic() - applied) * 1000)
-            except BaseException:
-                await self.instances.reap(fresh, keep_row=True)
-                raise
+            async with self.instances.starts.slot() if claimed is None else contextlib.nullcontext():
+                fresh = await self._restore_onto(row, built, image, limits, mounts, memory, claimed, pooled_token)
         finally:
             shutil.rmtree(image, ignore_errors=True)
         row.runtime_name, row.slot, row.address = fresh.runtime_name, fresh.slot, fresh.address
         row.template_digest = built.digest
         row.end_at = time.time() + timeout
         self.gateway.rebind(row)
+
+    async def _restore_onto(self, row: SandboxRow, built: Built, image: Path, limits: Limits,
+                            mounts: tuple[Mount, ...], memory: bool, claimed: SandboxRow | None,
+                            pooled_token: str | None) -> SandboxRow:
+        """The new instance of a resume from the store, its agent initialised (a cold boot with its files)."""
+        checkpoint_id = row.settings.checkpoint_id
+        started = time.monotonic()
+        if memory:
+            handle, slot = await self.instances.restore(image, built, limits, mounts)
+        elif claimed is not None:
+            # Its pool record goes now: a server killed from here on reaps the instance as unknown, never
+            # hands it out again with these files in it.
+            self.instances.catalog.delete_sandbox(claimed.sandbox_id)
+            handle = Handle(claimed.runtime_name, claimed.slot, Endpoint(claimed.address))
+            slot = claimed.slot
+        else:
+            handle, slot = await self.instances.boot(built, limits, mounts)
+        assert handle.endpoint is not None
+        fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
+        try:
+            if claimed is None:
+                await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
+            if not memory:  # a cold boot: its files, then everything /init sets for a sandbox handed out
+                booted = time.monotonic()
+                entries = await self.agents.apply_files(row.sandbox_id, fresh.address, image / FILES_ARCHIVE,
+                                                        pooled_token)
+                applied = time.monotonic()
+                if claimed is None:
+                    await self.instances.wait_services(fresh, built)
+                await self.instances.init_agent(fresh, self.gateway.env(fresh), previous_token=pooled_token)
+                log.info("cold boot of %s from %s (%s): booted in %.0f ms, %d entries applied in %.0f ms, ready "
+                         "%.0f ms later", row.sandbox_id, checkpoint_id, "pooled" if claimed else "new",
+                         (booted - started) * 1000, entries, (applied - booted) * 1000,
+                         (time.monotonic() - applied) * 1000)
+        except BaseException:
+            await self.instances.reap(fresh, keep_row=True)
+            raise
+        return fresh
 
     # -- forks and creates from snapshots -----------------------------------------------------------------------
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
@@ -218,11 +229,15 @@ class Checkpoints:
 
         async def one() -> SandboxRow:
             try:
-                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+                async with self.instances.starts.slot():  # each child is a start of its own
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+            except Busy:
+                raise
             except Exception as exc:  # one more try: a restored agent now and then fails to answer
                 log.warning("restore of %s for a new sandbox failed (%r); trying once more",
                             manifest.checkpoint_id, exc)
-                return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+                async with self.instances.starts.slot():
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
 
         try:
             results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)

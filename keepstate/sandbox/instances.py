@@ -20,6 +20,7 @@ from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailur
 from keepstate.template.builder import Built
 from keepstate.volume import Volumes
 
+from .admission import StartQueue
 from .agent_client import SETTLE, AgentClient, agent_url
 from .boot_images import BootImages
 from .record import SandboxRow
@@ -44,9 +45,10 @@ def new_runtime_name() -> str:
 
 class Instances:
     def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
-                 templates: Templates, volumes: Volumes | None = None,
+                 templates: Templates, starts: StartQueue, volumes: Volumes | None = None,
                  boot_images: BootImages | None = None) -> None:
         self.catalog = catalog
+        self.starts = starts  # every start holds one of its slots: here (start), or its caller (boot, restore)
         self.boot_images = boot_images
         self.volumes = volumes
         self.runtime = runtime
@@ -69,24 +71,27 @@ class Instances:
             raise RuntimeFailure("this server has no volume store, yet a sandbox mounts volumes")
         return tuple(Mount(self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts)
 
-    async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> SandboxRow:
-        """A new instance of a template build, agent answering and services listening, as a POOLED row: restored
+    async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = (),
+                    refill: bool = False) -> SandboxRow:
+        """A new instance of a template build, agent answering and services listening, as a POOLED row; under a
+        start slot (a pool's refill waits behind every user start; a user start may be refused: Busy). Restored
         from the build's boot image when it has one (boot_images.py), else booted (and, if it has none yet,
         captured as the image)."""
-        key = None
-        if self.boot_images is not None and not mounts and not self.templates.service_ports(built.name):
-            key = self.boot_images.key(built.digest, limits)
-            image = self.boot_images.image(key)
-            if image is not None:
-                try:
-                    return await self._start(built, limits, mounts, image)
-                except RuntimeFailure as exc:
-                    self.boot_images.discard(key, f"a restore from it failed: {exc}")
-        row = await self._start(built, limits, mounts, None)
-        if key is not None and self.boot_images is not None and self.boot_images.wanted(key):
-            await asyncio.sleep(SETTLE)  # wait_ready's connection is closed: let the netstack see it
-            await self.boot_images.capture(key, handle_of(row))
-        return row
+        async with self.starts.slot(refill):
+            key = None
+            if self.boot_images is not None and not mounts and not self.templates.service_ports(built.name):
+                key = self.boot_images.key(built.digest, limits)
+                image = self.boot_images.image(key)
+                if image is not None:
+                    try:
+                        return await self._start(built, limits, mounts, image)
+                    except RuntimeFailure as exc:
+                        self.boot_images.discard(key, f"a restore from it failed: {exc}")
+            row = await self._start(built, limits, mounts, None)
+            if key is not None and self.boot_images is not None and self.boot_images.wanted(key):
+                await asyncio.sleep(SETTLE)  # wait_ready's connection is closed: let the netstack see it
+                await self.boot_images.capture(key, handle_of(row))
+            return row
 
     async def _start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...],
                      image: Path | None) -> SandboxRow:
@@ -116,13 +121,13 @@ class Instances:
 
     async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; the caller
-        waits for its agent and gives it its /init."""
+        holds a start slot, waits for its agent and gives it its /init."""
         return await self._on_new_slot(built, limits, mounts, self.runtime.create)
 
     async def restore(self, image: Path, built: Built, limits: Limits,
                       mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
         """A new instance from a materialised image (which stays: forks share one); its slot bound to it. `mounts`
-        must be those the checkpointed instance had (its volumes)."""
+        must be those the checkpointed instance had (its volumes). The caller holds a start slot."""
         return await self._on_new_slot(built, limits, mounts,
                                        lambda spec, slot: self.runtime.restore(spec, image, slot))
 

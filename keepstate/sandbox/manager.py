@@ -35,6 +35,7 @@ from keepstate.template.builder import Built
 from keepstate.volume import Volumes
 
 from . import adopt, loops
+from .admission import AdmissionConfig, Places
 from .agent_client import AgentClient, Quiesced, agent_url
 from .boot_images import BootImages
 from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
@@ -55,6 +56,8 @@ log = logging.getLogger("keepstate.sandbox")
 
 DEFAULT_TIMEOUT = 300
 MAX_TIMEOUT = 24 * 3600
+# Running, or on its way to or from it: a place of its API key's and an instance on the host.
+ACTIVE = (State.RUNNING, State.CHECKPOINTING, State.PAUSING, State.RESUMING)
 
 __all__ = ["CreateRequest", "DEFAULT_TIMEOUT", "MAX_FORKS", "MAX_TIMEOUT", "SandboxManager", "Spawned",
            "check_timeout"]
@@ -91,7 +94,7 @@ class SandboxManager:
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
-                 boot_images: bool = True) -> None:
+                 admission: AdmissionConfig | None = None, boot_images: bool = True) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -103,8 +106,12 @@ class SandboxManager:
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
         self.volumes = volumes
-        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates, volumes,
+        admission = admission or AdmissionConfig()
+        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates,
+                                   admission.start_queue_for(), volumes,
                                    BootImages(catalog.path.parent, runtime, boot_images))
+        self.places = Places(admission.host_limit(runtime.slots.max_slots - 1), admission.max_sandboxes_per_key,
+                             self._on_host, self._running_of, self._key_limit)
         self.gateway = GatewayRuns(gateway, gateway_url)
         self.checkpoints = Checkpoints(self.instances, durable, recorder, self.agents, self.gateway, runtime,
                                        host_name)
@@ -138,6 +145,7 @@ class SandboxManager:
 
         With reap=True (tests, throw-away servers) every sandbox of this server is destroyed.
         """
+        self.instances.starts.close()  # a refill waiting for a start slot gives up (its pool is stopping)
         for pool in self.pools.values():
             await pool.stop()
         for t in self._tasks:
@@ -160,7 +168,8 @@ class SandboxManager:
         pool = self.pools.get(built.digest)
         if pool is None:
             pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
-                                                   lambda: self._start_pooled(built.name), template=built.name)
+                                                   lambda: self._start_pooled(built.name), template=built.name,
+                                                   room=self.places.room)
         return pool
 
     # -- reading ------------------------------------------------------------------------------------------------
@@ -182,6 +191,24 @@ class SandboxManager:
         if row is None or row.state not in (State.RUNNING, State.CHECKPOINTING) or not row.address:
             return None
         return row
+
+    # -- places (admission.py): what holds one now ------------------------------------------------------------
+    def _on_host(self) -> int:
+        """Instances on this host: listed sandboxes that have one (a standby too), pooled ones ready or starting."""
+        held = sum(1 for r in self.records.values() if r.state in ACTIVE
+                   or (r.state == State.PAUSED and r.settings.standby is not None))
+        return held + sum(len(p) + p.starting for p in self.pools.values())
+
+    def _running_of(self, key_id: str) -> int:
+        return sum(1 for r in self.records.values() if r.api_key_id == key_id and r.state in ACTIVE)
+
+    def _key_limit(self, key_id: str) -> tuple[str, int | None]:
+        key = self.catalog.get_key(key_id)
+        return (key.name, key.max_sandboxes) if key is not None else (key_id, None)
+
+    def admission(self) -> dict[str, Any]:
+        """The figures /health reports."""
+        return {"starts": self.instances.starts.figures(), "sandboxes": self.places.figures()}
 
     def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
         self.get(sandbox_id)
@@ -238,7 +265,7 @@ class SandboxManager:
         so that a create that brings no env vars of its own only has to claim it."""
         built = await self._built(template)
         d = built.defaults
-        row = await self.instances.start(built, self._limits(built))
+        row = await self.instances.start(built, self._limits(built), refill=True)
         row.access_token = secrets.token_hex(16)
         row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir)
         try:
@@ -278,32 +305,36 @@ class SandboxManager:
         pool.start()
         # A pooled sandbox has no volumes: a create with mounts starts a fresh instance with them.
         pooled = limits == self._limits(built) and not volume_mounts
-        row = pool.take() if pooled else None
-        if row is None:
-            row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
-        require(Command.CREATE, row.state, row.sandbox_id)
-        old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
-        now = time.time()
-        row.sandbox_id = new_sandbox_id()
-        row.access_token = ready_token or secrets.token_hex(16)
-        row.started_at, row.end_at = now, now + req.timeout
-        row.api_key_id = api_key_id
-        row.settings = Settings(session_id=row.sandbox_id, metadata=dict(req.metadata), env_vars=dict(req.env_vars),
-                                template_env=dict(d.env), auto_pause=req.auto_pause,
-                                auto_pause_memory=req.auto_pause_memory,
-                                allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts)
-        row.state = State.RUNNING
-        try:
-            env = self.gateway.env(row)
-            if not ready_token or env != dict(d.env):
-                # Something the pool could not know: this request's env vars, or its gateway token.
-                await self.instances.init_agent(row, env, previous_token=ready_token or None)
-            self.catalog.rename_sandbox(old_id, row)
-        except BaseException:
-            await self.instances.reap(row, catalog_id=old_id)
-            raise
-        self.records[row.sandbox_id] = row
+        claim = pooled and len(pool) > 0
+        # Its places are checked and reserved in this step, and handed to its record in the step that lists it
+        # (docs/design/admission.md). A warm sandbox claimed is on the host already: no host place is checked.
+        with self.places.reserve(api_key_id, check_host=not claim):
+            row = pool.take() if claim else None
+            if row is None:
+                row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
+            require(Command.CREATE, row.state, row.sandbox_id)
+            old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
+            now = time.time()
+            row.sandbox_id = new_sandbox_id()
+            row.access_token = ready_token or secrets.token_hex(16)
+            row.started_at, row.end_at = now, now + req.timeout
+            row.api_key_id = api_key_id
+            row.settings = Settings(session_id=row.sandbox_id, metadata=dict(req.metadata),
+                                    env_vars=dict(req.env_vars), template_env=dict(d.env), auto_pause=req.auto_pause,
+                                    auto_pause_memory=req.auto_pause_memory,
+                                    allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
+                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts)
+            row.state = State.RUNNING
+            try:
+                env = self.gateway.env(row)
+                if not ready_token or env != dict(d.env):
+                    # Something the pool could not know: this request's env vars, or its gateway token.
+                    await self.instances.init_agent(row, env, previous_token=ready_token or None)
+                self.catalog.rename_sandbox(old_id, row)
+            except BaseException:
+                await self.instances.reap(row, catalog_id=old_id)
+                raise
+            self.records[row.sandbox_id] = row
         self.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
                               agent_url=agent_url(row.address), token=row.access_token)
         return row
@@ -337,7 +368,8 @@ class SandboxManager:
                             access_token=info["access_token"], started_at=info["started_at"], end_at=0,
                             cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]), api_key_id=api_key_id,
                             settings=settings)
-        result = (await self._spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
+        with self.places.reserve(api_key_id):  # its record is listed in the step _spawn returns in
+            result = (await self._spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
         if result.row is None:
             assert result.error is not None
             raise result.error
@@ -417,6 +449,9 @@ class SandboxManager:
                     self.records[sandbox_id] = row
 
     async def _resume(self, row: SandboxRow, timeout: int) -> None:
+        # It runs again: a place of its key's, and a new instance unless its standby thaws. RESUMING holds them
+        # from this same step on.
+        self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
         self._set(row, State.RESUMING)
         source = "store"
         try:
@@ -534,10 +569,13 @@ class SandboxManager:
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
-        async with self._command(sandbox_id, Command.FORK) as row:
-            manifest = await self._checkpoint_running(row, "fork")
-            parent = row.copy()
-        return await self._spawn(manifest, parent, count, timeout)
+        with contextlib.ExitStack() as places:
+            async with self._command(sandbox_id, Command.FORK) as row:
+                # All the children's places or none, before the parent is checkpointed.
+                places.enter_context(self.places.reserve(row.api_key_id, host=count, key=count))
+                manifest = await self._checkpoint_running(row, "fork")
+                parent = row.copy()
+            return await self._spawn(manifest, parent, count, timeout)
 
     async def _spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
                      api_key_id: str | None = None) -> list[Spawned]:

@@ -14,11 +14,14 @@ from collections.abc import Awaitable, Callable
 from keepstate.db.catalog import SandboxRow
 
 log = logging.getLogger("keepstate.pool")
+FULL_RETRY = 1.0  # seconds between looks for room on a host that holds its limit
 
 
 class Pool:
-    def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]], template: str = "") -> None:
+    def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]], template: str = "",
+                 room: Callable[[], bool] = lambda: True) -> None:
         self.key = key
+        self._room = room  # whether the host has a place for one more (admission.py); checked before each start
         self.template = template
         self.size = size
         self._start = start
@@ -28,6 +31,7 @@ class Pool:
         self._task: asyncio.Task[None] | None = None
         self._inflight: asyncio.Future[SandboxRow] | None = None
         self.failures = 0
+        self.full = False
 
     def adopt(self, row: SandboxRow) -> None:
         self._ready.append(row)
@@ -48,6 +52,11 @@ class Pool:
 
     def __len__(self) -> int:
         return len(self._ready)
+
+    @property
+    def starting(self) -> int:
+        """Refills under way: counted on the host from before they start until they are ready."""
+        return self._starting
 
     def start(self) -> None:
         if self._task is None and self.size > 0:
@@ -73,21 +82,31 @@ class Pool:
     async def _fill(self) -> None:
         while True:
             while len(self._ready) + self._starting < self.size:
-                self._starting += 1
+                if not self._room():  # the host holds its limit: look again in a second, counting nothing
+                    if not self.full:
+                        log.info("pool %s: the host holds its limit of sandboxes; refilling when it has room",
+                                 self.key)
+                    self.full = True
+                    await asyncio.sleep(FULL_RETRY)
+                    continue
+                self.full = False
+                self._starting += 1  # in the same step as the check: counted on the host from here
                 try:
                     self._inflight = asyncio.ensure_future(self._start())
                     row = await asyncio.shield(self._inflight)
                     self._inflight = None
                     self._ready.append(row)
                     self.failures = 0
+                    continue
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # keep serving; back off and try again
                     self._inflight = None
                     self.failures += 1
                     log.warning("pool %s: start failed (%s)", self.key, exc)
-                    await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.failures, 6)))
                 finally:
                     self._starting -= 1
+                # Not counted as starting while it backs off: it holds no place on the host (admission.py).
+                await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self.failures, 6)))
             self._wake.clear()
             await self._wake.wait()

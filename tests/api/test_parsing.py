@@ -247,6 +247,11 @@ class StubManager:
     def running(self) -> list[Any]:
         return []
 
+    def admission(self) -> dict[str, Any]:
+        from tests.api.test_spec import HEALTH
+
+        return dict(HEALTH["admission"])
+
     def find_snapshot(self, ref: str) -> None:
         self.calls.append(("find_snapshot", (ref,)))
         return None

@@ -19,7 +19,10 @@ from keepstate.api import volumes as volume_routes
 
 REPO = Path(__file__).resolve().parents[2]
 JSON = {"Content-Type": "application/json; charset=utf-8"}
-HEALTH = {"status": "ok", "message": "Health check successful", "pools": {"base": 1}, "running": 0}
+HEALTH = {"status": "ok", "message": "Health check successful", "pools": {"base": 1}, "running": 0,
+          "admission": {"starts": {"running": 1, "waiting": 0, "refillsWaiting": 1, "limit": 4, "queue": 16,
+                                   "waitSeconds": 30.0, "refused": 0, "retryAfter": 2},
+                        "sandboxes": {"onHost": 3, "limit": 376, "perKeyLimit": 100}}}
 SANDBOX = {"templateID": "base", "sandboxID": "abc123", "alias": "base", "clientID": "6532622b",
            "envdVersion": "0.6.13", "envdAccessToken": "t", "trafficAccessToken": None, "domain": None}
 
@@ -93,6 +96,11 @@ def test_a_good_response_passes(contract: spec.Spec) -> None:
     assert contract.check("GET", "/nowhere", 404, JSON, error.replace(b"404", b"404")) == []
     assert contract.check("PUT", "/sandboxes/x", 405, JSON, body({"code": 405, "message": "Method Not Allowed"})) \
         == []
+    busy = body({"code": 503, "message": "this host is busy starting sandboxes"})
+    assert contract.check("POST", "/v2/sandboxes", 503, {**JSON, "Should-Retry": "true", "Retry-After": "3"},
+                          busy) == []
+    assert contract.check("POST", "/sandboxes/abc/connect", 429, {**JSON, "Should-Retry": "false"},
+                          body({"code": 429, "message": "API key 'ci' has reached its limit"})) == []
 
 
 @pytest.mark.parametrize("method,path,status,headers,payload,expect", [
@@ -117,6 +125,11 @@ def test_a_good_response_passes(contract: spec.Spec) -> None:
     ("GET", "/nowhere", 200, JSON, {}, "not in the spec"),
     ("GET", "/nowhere", 404, {"Content-Type": "text/plain"}, "404: Not Found", "application/json"),
     ("GET", "/sandboxes/abc", 500, JSON, {"code": 500, "message": "boom"}, "Should-Retry is missing"),
+    ("GET", "/sandboxes/abc", 500, {**JSON, "Should-Retry": "true"}, {"code": 500, "message": "boom"},
+     "Should-Retry"),
+    ("POST", "/v2/sandboxes", 503, {**JSON, "Should-Retry": "true", "Retry-After": "soon"},
+     {"code": 503, "message": "busy"}, "Retry-After"),
+    ("GET", "/health", 200, JSON, {k: v for k, v in HEALTH.items() if k != "admission"}, "admission"),
 ])
 def test_a_bad_response_fails(contract: spec.Spec, method: str, path: str, status: int,
                               headers: dict[str, str], payload: Any, expect: str) -> None:

@@ -7,6 +7,8 @@ import re
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from keepstate.db.catalog import API_KEY_FORMAT, Catalog, SandboxRow
 from keepstate.sandbox.record import Instance, Settings
 from keepstate.sandbox.state import State
@@ -93,3 +95,27 @@ def test_sandbox_rows_keep_their_volume_mounts(tmp_path: Path) -> None:
     got = cat.get_sandbox("s")
     assert got is not None and got.settings.volume_mounts == mounts
     assert Settings.from_json({"metadata": {}}).volume_mounts == []  # rows from before volumes load
+
+
+def test_a_version_1_catalog_gains_the_keys_limit_when_opened(tmp_path: Path) -> None:
+    from keepstate.db.catalog import SCHEMA, SCHEMA_VERSION, CatalogError, hash_key
+
+    path = tmp_path / "old.sqlite"
+    old = sqlite3.connect(path)  # the catalog as releases before the limits wrote it: no version, no column
+    old.executescript(SCHEMA.replace(",\n    max_sandboxes INTEGER", ""))
+    old.execute("INSERT INTO api_keys (id,name,key_hash,prefix,created_at) VALUES ('key_1','ci',?,'e2b_0000',1.0)",
+                (hash_key("e2b_0000"),))
+    old.commit()
+    old.close()
+    cat = Catalog(path)
+    key = cat.find_key("e2b_0000")
+    assert key is not None and key.name == "ci" and key.max_sandboxes is None
+    assert cat.set_key_limit("key_1", 5) and cat.get_key("key_1").max_sandboxes == 5  # type: ignore[union-attr]
+    assert cat.get_meta("schema_version") == str(SCHEMA_VERSION)
+    cat.close()
+    again = Catalog(path)  # opening it again changes nothing
+    assert again.get_key("key_1").max_sandboxes == 5  # type: ignore[union-attr]
+    again.set_meta("schema_version", str(SCHEMA_VERSION + 1))
+    again.close()
+    with pytest.raises(CatalogError, match="newer keepstate"):
+        Catalog(path)
