@@ -58,7 +58,7 @@ async def health(request: web.Request) -> web.Response:
     for pool in m.pools.values():
         pools[pool.template] = pools.get(pool.template, 0) + len(pool)
     return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
-                              "running": len(m.running())})
+                              "running": len(m.running()), "teardowns": m.instances.teardowns.pending()})
 
 
 @routes.post("/v2/sandboxes")

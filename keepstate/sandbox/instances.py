@@ -24,6 +24,7 @@ from .agent_client import AgentClient, agent_url
 from .record import SandboxRow
 from .slots import Slots
 from .state import State
+from .teardowns import Teardowns
 from .templates import Templates
 
 log = logging.getLogger("keepstate.sandbox")
@@ -50,6 +51,7 @@ class Instances:
         self.slots = slots
         self.agents = agents
         self.templates = templates
+        self.teardowns = Teardowns(catalog, runtime, slots)
         self._background: set[asyncio.Task[None]] = set()
 
     def spec(self, built: Built, limits: Limits, name: str | None = None,
@@ -145,18 +147,18 @@ class Instances:
 
     # -- teardown -----------------------------------------------------------------------------------------------
     async def reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
-        """Destroy the row's instance and release its slot; drop its catalog row unless keep_row."""
+        """Tear the row's instance down (teardowns.py: recorded first, retried until nothing is left, its slot
+        released then); drop its catalog row unless keep_row. Returns after the first attempt."""
         slot = row.slot
         if slot >= 0 and not self.slots.ours(slot, row.runtime_name):
             slot = -1
         if row.runtime_name:
-            try:
-                await asyncio.to_thread(self.runtime.destroy, Handle(row.runtime_name, slot))
-            except Exception as exc:
-                log.warning("destroy of %s failed: %s", row.runtime_name, exc)
+            self.teardowns.record(row.runtime_name, slot)
         if not keep_row:
             self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        if slot >= 0:
+        if row.runtime_name:
+            await self.teardowns.attempt(row.runtime_name)
+        elif slot >= 0:
             self.slots.release(slot)
 
     def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:

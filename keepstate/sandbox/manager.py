@@ -150,6 +150,7 @@ class SandboxManager:
                                  return_exceptions=True)
             self.records.clear()
         await self.instances.drain()
+        await self.instances.teardowns.stop()
         await self.agents.close()
 
     def pool(self, built: Built) -> Pool:
