@@ -13,12 +13,29 @@ BLOCK = Path("/sys/block")
 
 
 def container_files(root: Path, name: str) -> list[Path]:
-    """runsc's state and lock files of the container `name` (`<sandbox>_sandbox:<container>.state|.lock`)."""
+    """runsc's files of the container `name` in its root: state and lock (`<sandbox>_sandbox:<container>.state`,
+    `.lock`) and the sandbox's control socket (`runsc-<name>.sock`). A create that timed out may leave the lock
+    alone."""
     try:
         entries = list(root.iterdir())
     except OSError:
         return []
-    return sorted(p for p in entries if p.name.startswith(f"{name}_sandbox:") or p.name == name)
+    return sorted(p for p in entries if p.name.startswith(f"{name}_sandbox:") or p.name == f"runsc-{name}.sock")
+
+
+def container_pids(root: Path, name: str) -> list[int]:
+    """The sandbox and gofer processes runsc recorded for the container (0s left out)."""
+    out: list[int] = []
+    for p in container_files(root, name):
+        if p.suffix != ".state":
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        sandbox = doc.get("sandbox") or {}
+        out += [int(pid) for pid in (doc.get("goferPid"), sandbox.get("pid")) if isinstance(pid, int) and pid > 0]
+    return out
 
 
 def containers(root: Path) -> dict[str, Path | None]:
@@ -33,7 +50,7 @@ def containers(root: Path) -> dict[str, Path | None]:
             continue
         name = p.name[:-len(".state")].rsplit(":", 1)[1]
         try:
-            bundle = json.loads(p.read_text()).get("BundleDir")
+            bundle = json.loads(p.read_text()).get("bundleDir")
         except (OSError, ValueError):
             bundle = None
         out[name] = Path(bundle) if bundle else None

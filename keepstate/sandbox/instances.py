@@ -110,7 +110,7 @@ class Instances:
             self.slots.bind(slot, spec.name)
             handle = await asyncio.to_thread(start, spec, slot)
         except BaseException:
-            self.slots.release(slot)
+            self.teardowns.later(spec.name, slot)  # whatever the failed start left; the slot is released then
             raise
         return handle, slot
 

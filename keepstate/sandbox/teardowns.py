@@ -83,6 +83,13 @@ class Teardowns:
         if name not in self._pending:
             self._pending[name] = TeardownRecord(name, slot)
 
+    def later(self, name: str, slot: int) -> None:
+        """Record the teardown and leave it to the retry loop (due at once): for callers that cannot wait."""
+        self.record(name, slot)
+        self._ensure_loop()
+        assert self._wake is not None
+        self._wake.set()
+
     async def run(self, name: str, slot: int) -> bool:
         """Record the teardown and make an attempt; True once nothing is left. A failed one is retried later."""
         self.record(name, slot)

@@ -139,3 +139,16 @@ async def test_a_failed_teardown_is_retried_until_nothing_is_left(host: Host) ->
     finally:
         await teardowns.stop()
         catalog.close()
+
+
+def test_what_a_create_that_timed_out_leaves_is_torn_down(host: Host) -> None:
+    """A `runsc run` killed by its timeout under load left its lock file alone in the runsc root (seen with 100
+    sandboxes): no state for `runsc delete` to work from, yet the inventory sees it and destroy removes it."""
+    name = "ks-td-" + secrets.token_hex(4)
+    (host.runtime.state_dir / name).mkdir(parents=True)
+    lock = host.runtime.root / f"{name}_sandbox:{name}.lock"
+    lock.touch()
+    assert {(lo.kind, lo.where) for lo in leftovers(host.home)} == {("container", str(lock)),
+                                                                    ("state", str(host.runtime.state_dir / name))}
+    host.runtime.destroy(Handle(name, -1))
+    assert leftovers(host.home) == []
