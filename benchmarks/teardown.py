@@ -85,6 +85,7 @@ def measure(way: str, count: int, threads: int) -> None:
           f"left: {len(left)} {sorted({lo.kind for lo in left})}")
     for lo in left:  # never leave anything behind, whatever the old way did
         rt.destroy(Handle(lo.name, -1))
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def main() -> None:
                                       stderr=subprocess.DEVNULL).decode().strip()
     try:
         t = time.monotonic()
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(2) as pool:
             ids = list(pool.map(lambda _: srv.api("POST", "/sandboxes", {"templateID": "base", "timeout": 3600})
                                 ["sandboxID"], range(a.count)))  # type: ignore[index]
         print(f"created {a.count} in {time.monotonic() - t:.0f} s; "
@@ -95,6 +95,10 @@ def main() -> None:
             print(f"server SIGKILLed with {len(leftovers(home))} leftovers; starting it again")
             srv = start(home, port, "server2.log")
         print(f"all torn down, nothing left, {until_torn_down(srv, t0):.1f} s after the kills began")
+    except BaseException:
+        for log in sorted(home.glob("server*.log")):
+            print(f"--- {log.name}:\n" + log.read_text(errors="replace")[-3000:])
+        raise
     finally:
         srv.proc.terminate()
         srv.proc.wait(timeout=300)

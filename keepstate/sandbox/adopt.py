@@ -26,7 +26,7 @@ async def sweep_orphans(m: SandboxManager) -> None:
     """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
     for slot, name in await asyncio.to_thread(m.slots.orphaned):
         log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
-        await m.instances.teardowns.run(name, slot)
+        m.instances.teardowns.later(name, slot)
 
 
 async def adopt(m: SandboxManager) -> None:
@@ -55,7 +55,7 @@ async def adopt(m: SandboxManager) -> None:
             else:  # the host restarted or someone removed it: the checkpoint remains
                 s.retired, s.standby = s.standby, None
         if s.retired is not None:  # an instance stopped by a pause whose teardown a crash interrupted
-            await m.instances.reap(row.with_instance(s.retired), keep_row=True)
+            m.instances.reap_later(row.with_instance(s.retired), keep_row=True)
             s.retired = None
         if row.state == State.PAUSED:
             row.runtime_name, row.slot, row.address = "", -1, ""
@@ -84,7 +84,7 @@ async def adopt(m: SandboxManager) -> None:
             log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
         else:
             log.warning("sandbox %s (%s) is gone or stale; reaping", row.sandbox_id, row.state)
-            await m.instances.reap(row)
+            m.instances.reap_later(row)
     await sweep_unknown(m)
 
 
@@ -100,4 +100,4 @@ async def sweep_unknown(m: SandboxManager) -> None:
     for slot, name in await asyncio.to_thread(m.slots.owned):
         if name not in known:
             log.warning("reaping instance %s in slot %d: no sandbox of this server knows it", name, slot)
-            await m.instances.teardowns.run(name, slot)
+            m.instances.teardowns.later(name, slot)

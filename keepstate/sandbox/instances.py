@@ -149,17 +149,22 @@ class Instances:
     async def reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
         """Tear the row's instance down (teardowns.py: recorded first, retried until nothing is left, its slot
         released then); drop its catalog row unless keep_row. Returns after the first attempt."""
+        if self.reap_later(row, catalog_id, keep_row):
+            await self.teardowns.attempt(row.runtime_name)
+
+    def reap_later(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> bool:
+        """As reap, leaving the teardown to the retry loop (due at once): adoption reaps many rows and waits for none.
+        Whether there is a teardown."""
         slot = row.slot
         if slot >= 0 and not self.slots.ours(slot, row.runtime_name):
             slot = -1
         if row.runtime_name:
-            self.teardowns.record(row.runtime_name, slot)
+            self.teardowns.later(row.runtime_name, slot)
         if not keep_row:
             self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        if row.runtime_name:
-            await self.teardowns.attempt(row.runtime_name)
-        elif slot >= 0:
+        if not row.runtime_name and slot >= 0:
             self.slots.release(slot)
+        return bool(row.runtime_name)
 
     def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
         """Run a teardown after the caller has answered; drain() waits for every one of them."""
