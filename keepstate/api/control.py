@@ -58,7 +58,8 @@ async def health(request: web.Request) -> web.Response:
     for pool in m.pools.values():
         pools[pool.template] = pools.get(pool.template, 0) + len(pool)
     return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
-                              "running": len(m.running()), "admission": m.admission()})
+                              "running": len(m.running()), "admission": m.admission(),
+                              "teardowns": m.teardowns_pending()})
 
 
 @routes.post("/v2/sandboxes")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from keepstate.errors import Conflict
-from keepstate.sandbox.record import SandboxRow, Settings
+from keepstate.sandbox.record import SandboxRow, Settings, TeardownRecord
 from keepstate.sandbox.state import State
 from keepstate.volume.record import VolumeRecord
 
@@ -77,6 +77,20 @@ class CatalogError(RuntimeError):
     pass
 
 
+# Additive steps, each its own and idempotent, run in order after SCHEMA on every open: a catalog written before a
+# step gains what it adds, and nothing it had changes.
+TEARDOWNS = """
+CREATE TABLE IF NOT EXISTS teardowns (
+    runtime_name TEXT PRIMARY KEY,
+    slot INTEGER NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_try REAL NOT NULL,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL
+);
+"""
+
+
 @dataclass
 class ApiKey:
     id: str
@@ -113,6 +127,7 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            self._db.executescript(TEARDOWNS)
             self._migrate()
 
     def _migrate(self) -> None:
@@ -286,6 +301,24 @@ class Catalog:
     def _volume(r: sqlite3.Row) -> VolumeRecord:
         return VolumeRecord(volume_id=r["volume_id"], name=r["name"], token=r["token"], size_mb=r["size_mb"],
                             created_at=r["created_at"])
+
+    # -- teardowns (docs/design/teardown.md) ---------------------------------------------------------------------
+    def put_teardown(self, runtime_name: str, slot: int) -> None:
+        """Record a teardown to do; one already recorded for the instance keeps its attempts."""
+        self._q("INSERT INTO teardowns (runtime_name,slot,attempts,next_try,last_error,created_at) "
+                "VALUES (?,?,0,?,'',?) ON CONFLICT(runtime_name) DO NOTHING",
+                (runtime_name, slot, time.time(), time.time()))
+
+    def teardown_failed(self, runtime_name: str, attempts: int, next_try: float, error: str) -> None:
+        self._q("UPDATE teardowns SET attempts=?, next_try=?, last_error=? WHERE runtime_name=?",
+                (attempts, next_try, error[:2000], runtime_name))
+
+    def delete_teardown(self, runtime_name: str) -> None:
+        self._q("DELETE FROM teardowns WHERE runtime_name=?", (runtime_name,))
+
+    def teardowns(self) -> list[TeardownRecord]:
+        return [TeardownRecord(r["runtime_name"], r["slot"], r["attempts"], r["next_try"], r["last_error"])
+                for r in self._q("SELECT * FROM teardowns ORDER BY next_try, runtime_name")]
 
     def used_slots(self) -> set[int]:
         return {r["slot"] for r in self._q("SELECT slot FROM sandboxes WHERE slot >= 0")}

@@ -79,6 +79,16 @@ class Handle:
     endpoint: Endpoint | None = None
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """Something of an instance still on the host (docs/design/teardown.md): its `kind` (for gVisor "container",
+    "cgroup", "netns", "veth", "loop", "shm", "state", "slot"), the instance's name, and where it is."""
+
+    kind: str
+    name: str
+    where: str
+
+
 class RuntimeFailure(Exception):
     """A runtime operation failed; the message says what and how to fix it."""
 
@@ -154,7 +164,16 @@ class Runtime(Protocol):
         """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""
 
     def destroy(self, handle: Handle) -> None:
-        """Stop the sandbox and release everything it held; idempotent. A slot of -1 leaves the network alone."""
+        """Stop the sandbox and release everything it held but its slot claim (the caller releases it once this
+        returned and `remains` is empty); idempotent; RuntimeFailure naming what is left if it could not. A slot of
+        -1 leaves the network alone."""
+
+    def remains(self, handle: Handle) -> list[Leftover]:
+        """What of one instance exists on the host (its slot claim aside): empty once `destroy` finished."""
+
+    def inventory(self, home: Path) -> list[Leftover]:
+        """What of the data directory `home`'s instances exists on the host, running ones included, their slot
+        claims too: empty once every sandbox of it is gone and torn down."""
 
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
         """Real figures from the host's cgroups: cpu_ns, mem_used, mem_cache, mem_limit; {} if it has none."""

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from keepstate.errors import KeepStateError
-from keepstate.runtime.base import Handle, RuntimeFailure
+from keepstate.runtime.base import RuntimeFailure
 
 from .instances import handle_of
 from .state import AFTER_CRASH, State
@@ -26,14 +26,11 @@ async def sweep_orphans(m: SandboxManager) -> None:
     """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
     for slot, name in await asyncio.to_thread(m.slots.orphaned):
         log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
-        try:
-            await asyncio.to_thread(m.runtime.destroy, Handle(name, slot))
-        except Exception as exc:
-            log.warning("destroy of orphan %s failed: %s", name, exc)
-        m.slots.release(slot)
+        m.instances.teardowns.later(name, slot)
 
 
 async def adopt(m: SandboxManager) -> None:
+    m.instances.teardowns.resume()  # first: their slots stay held, and no sweep below takes them for unknown
     await sweep_orphans(m)
     rows = m.catalog.sandboxes()
     statuses = await asyncio.to_thread(m.runtime.statuses)
@@ -58,7 +55,7 @@ async def adopt(m: SandboxManager) -> None:
             else:  # the host restarted or someone removed it: the checkpoint remains
                 s.retired, s.standby = s.standby, None
         if s.retired is not None:  # an instance stopped by a pause whose teardown a crash interrupted
-            await m.instances.reap(row.with_instance(s.retired), keep_row=True)
+            m.instances.reap_later(row.with_instance(s.retired), keep_row=True)
             s.retired = None
         if row.state == State.PAUSED:
             row.runtime_name, row.slot, row.address = "", -1, ""
@@ -87,14 +84,14 @@ async def adopt(m: SandboxManager) -> None:
             log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
         else:
             log.warning("sandbox %s (%s) is gone or stale; reaping", row.sandbox_id, row.state)
-            await m.instances.reap(row)
+            m.instances.reap_later(row)
     await sweep_unknown(m)
 
 
 async def sweep_unknown(m: SandboxManager) -> None:
     """Reap instances recorded in the slot table for this data directory that no row knows: started by a command
     the crash interrupted before its row named them (a resume's or a fork's restore)."""
-    known = {name for p in m.pools.values() for name in p.names()}
+    known = {name for p in m.pools.values() for name in p.names()} | m.instances.teardowns.names()
     for row in m.catalog.sandboxes():
         known.add(row.runtime_name)
         for inst in (row.settings.standby, row.settings.retired):
@@ -103,8 +100,4 @@ async def sweep_unknown(m: SandboxManager) -> None:
     for slot, name in await asyncio.to_thread(m.slots.owned):
         if name not in known:
             log.warning("reaping instance %s in slot %d: no sandbox of this server knows it", name, slot)
-            try:
-                await asyncio.to_thread(m.runtime.destroy, Handle(name, slot))
-            except Exception as exc:
-                log.warning("destroy of %s failed: %s", name, exc)
-            m.slots.release(slot)
+            m.instances.teardowns.later(name, slot)

@@ -26,6 +26,7 @@ from .boot_images import BootImages
 from .record import SandboxRow
 from .slots import Slots
 from .state import State
+from .teardowns import Teardowns
 from .templates import Templates
 
 log = logging.getLogger("keepstate.sandbox")
@@ -55,6 +56,7 @@ class Instances:
         self.slots = slots
         self.agents = agents
         self.templates = templates
+        self.teardowns = Teardowns(catalog, runtime, slots)
         self._background: set[asyncio.Task[None]] = set()
 
     def spec(self, built: Built, limits: Limits, name: str | None = None,
@@ -139,7 +141,7 @@ class Instances:
             self.slots.bind(slot, spec.name)
             handle = await asyncio.to_thread(start, spec, slot)
         except BaseException:
-            self.slots.release(slot)
+            self.teardowns.later(spec.name, slot)  # whatever the failed start left; the slot is released then
             raise
         return handle, slot
 
@@ -176,19 +178,24 @@ class Instances:
 
     # -- teardown -----------------------------------------------------------------------------------------------
     async def reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
-        """Destroy the row's instance and release its slot; drop its catalog row unless keep_row."""
+        """Tear the row's instance down (teardowns.py: recorded first, retried until nothing is left, its slot
+        released then); drop its catalog row unless keep_row. Returns after the first attempt."""
+        if self.reap_later(row, catalog_id, keep_row):
+            await self.teardowns.attempt(row.runtime_name)
+
+    def reap_later(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> bool:
+        """As reap, leaving the teardown to the retry loop (due at once): adoption reaps many rows and waits for none.
+        Whether there is a teardown."""
         slot = row.slot
         if slot >= 0 and not self.slots.ours(slot, row.runtime_name):
             slot = -1
         if row.runtime_name:
-            try:
-                await asyncio.to_thread(self.runtime.destroy, Handle(row.runtime_name, slot))
-            except Exception as exc:
-                log.warning("destroy of %s failed: %s", row.runtime_name, exc)
+            self.teardowns.later(row.runtime_name, slot)
         if not keep_row:
             self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
-        if slot >= 0:
+        if not row.runtime_name and slot >= 0:
             self.slots.release(slot)
+        return bool(row.runtime_name)
 
     def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
         """Run a teardown after the caller has answered; drain() waits for every one of them."""

@@ -161,6 +161,7 @@ class SandboxManager:
                                  return_exceptions=True)
             self.records.clear()
         await self.instances.drain()
+        await self.instances.teardowns.stop()
         await self.agents.close()
 
     def pool(self, built: Built) -> Pool:
@@ -209,6 +210,10 @@ class SandboxManager:
     def admission(self) -> dict[str, Any]:
         """The figures /health reports."""
         return {"starts": self.instances.starts.figures(), "sandboxes": self.places.figures()}
+
+    def teardowns_pending(self) -> int:
+        """Instances killed or released and not yet fully torn down (docs/design/teardown.md)."""
+        return self.instances.teardowns.pending()
 
     def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
         self.get(sandbox_id)

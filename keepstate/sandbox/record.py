@@ -29,6 +29,18 @@ class Instance:
                    since=float(d.get("since", 0.0)), mem=int(d.get("mem", 0)))
 
 
+@dataclass(frozen=True)
+class TeardownRecord:
+    """A teardown not yet finished (docs/design/teardown.md): the instance, its slot (-1: not ours to release),
+    how many attempts failed, when the next one is due, and what the last one said."""
+
+    runtime_name: str
+    slot: int
+    attempts: int = 0
+    next_try: float = 0.0
+    last_error: str = ""
+
+
 @dataclass
 class Settings:
     """Everything about a sandbox beyond its runtime identity."""

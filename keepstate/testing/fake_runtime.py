@@ -12,8 +12,10 @@ It keeps gVisor's hazards, so tests catch code that breaks the rules real sandbo
 - a **checkpoint taken while a connection is open** into the instance is recorded in `violations`, and an
   instance restored from that image is **wedged** (answers nothing), as gVisor 20240729's restored agent is.
 
-Faults are injected with `fail(op, times)` (the next calls of `op` raise RuntimeFailure) and slowed with
-`delay[op] = seconds`, both deterministic.
+Faults are injected with `fail(op, times)` (the next calls of `op` raise RuntimeFailure; a failed destroy leaves
+the instance), slowed with `delay[op] = seconds`, and held with `gates[op]` (a threading.Event every call of `op`
+waits for), all deterministic. `inventory(home)` and `remains(handle)` report what is left as gVisor's do: an
+instance not destroyed is a "container", a slot recorded for the data directory a "slot".
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from keepstate.ports import AGENT_PORT
-from keepstate.runtime.base import Endpoint, Handle, Limits, RuntimeFailure, SandboxSpec
+from keepstate.runtime.base import Endpoint, Handle, Leftover, Limits, RuntimeFailure, SandboxSpec
 
 STATE_FILE = "fake-state.json"
 MEMORY_FILE = "pages.img"  # a stand-in for gVisor's memory file, so the store has bytes to chunk
@@ -91,6 +93,10 @@ class FakeSlots:
         with self._lock:
             return [(slot, name) for slot, name in self._owners.items()
                     if name and not (Path(self._homes[slot]) / "catalog.sqlite").exists()]
+
+    def home(self, slot: int) -> str | None:
+        with self._lock:
+            return self._homes.get(slot)
 
     def owned(self, home: str) -> list[tuple[int, str]]:
         with self._lock:
@@ -297,6 +303,7 @@ class _Instance:
     slot: int
     agent: FakeAgent
     status: str = "running"
+    home: str | None = None  # the data directory its slot was recorded for when it started
 
 
 class FakeRuntime:
@@ -308,6 +315,7 @@ class FakeRuntime:
         self.slots = FakeSlots()
         self.violations: list[str] = []  # checkpoints taken with a connection open (gVisor would wedge)
         self.delay: dict[str, float] = {}  # op -> seconds each call of it takes (widens race windows)
+        self.gates: dict[str, threading.Event] = {}  # op -> every call of it waits until this is set
         self.calls: dict[str, int] = {}
         self._faults: dict[str, int] = {}
         self._instances: dict[str, _Instance] = {}
@@ -315,8 +323,12 @@ class FakeRuntime:
 
     # -- test controls ------------------------------------------------------------------------------------------
     def fail(self, op: str, times: int = 1) -> None:
-        """The next `times` calls of `op` ("create", "checkpoint", "freeze", "thaw", "restore") fail."""
+        """The next `times` calls of `op` ("create", "checkpoint", "freeze", "thaw", "restore", "destroy") fail."""
         self._faults[op] = self._faults.get(op, 0) + times
+
+    def heal(self, op: str) -> None:
+        """Calls of `op` succeed again (faults still pending from fail() are dropped)."""
+        self._faults.pop(op, None)
 
     def crash(self, name: str) -> None:
         """The instance dies (as a sandbox OOM-killed or crashed): gone, its agent with it."""
@@ -334,6 +346,9 @@ class FakeRuntime:
 
     def _op(self, op: str) -> None:
         self.calls[op] = self.calls.get(op, 0) + 1
+        gate = self.gates.get(op)
+        if gate is not None:
+            gate.wait()
         if self.delay.get(op):
             time.sleep(self.delay[op])
         if self._faults.get(op):
@@ -364,7 +379,7 @@ class FakeRuntime:
             agent = FakeAgent(self.address_of(slot), state, wedged)
         except OSError as exc:
             raise RuntimeFailure(f"fake runtime: cannot listen on {self.address_of(slot)}: {exc}") from exc
-        inst = _Instance(spec, slot, agent)
+        inst = _Instance(spec, slot, agent, home=self.slots.home(slot))
         with self._lock:
             self._instances[spec.name] = inst
         return self._handle(inst)
@@ -428,6 +443,17 @@ class FakeRuntime:
             inst = self._instances.pop(handle.name, None)
         if inst is not None:
             inst.agent.stop()
+
+    def remains(self, handle: Handle) -> list[Leftover]:
+        with self._lock:
+            return [Leftover("container", handle.name, "fake")] if handle.name in self._instances else []
+
+    def inventory(self, home: Path) -> list[Leftover]:
+        """Instances started in a slot of `home` (or in one recorded for nobody), and the slots recorded for it."""
+        with self._lock:
+            out = [Leftover("container", name, "fake") for name, inst in sorted(self._instances.items())
+                   if inst.home in (None, str(home))]
+        return out + [Leftover("slot", name, f"fake slot {slot}") for slot, name in self.slots.owned(str(home))]
 
     def cgroup_stats(self, handle: Handle) -> dict[str, int]:
         with self._lock:

@@ -252,6 +252,9 @@ class StubManager:
 
         return dict(HEALTH["admission"])
 
+    def teardowns_pending(self) -> int:
+        return 0
+
     def find_snapshot(self, ref: str) -> None:
         self.calls.append(("find_snapshot", (ref,)))
         return None

@@ -22,7 +22,7 @@ JSON = {"Content-Type": "application/json; charset=utf-8"}
 HEALTH = {"status": "ok", "message": "Health check successful", "pools": {"base": 1}, "running": 0,
           "admission": {"starts": {"running": 1, "waiting": 0, "refillsWaiting": 1, "limit": 4, "queue": 16,
                                    "waitSeconds": 30.0, "refused": 0, "retryAfter": 2},
-                        "sandboxes": {"onHost": 3, "limit": 376, "perKeyLimit": 100}}}
+                        "sandboxes": {"onHost": 3, "limit": 376, "perKeyLimit": 100}}, "teardowns": 0}
 SANDBOX = {"templateID": "base", "sandboxID": "abc123", "alias": "base", "clientID": "6532622b",
            "envdVersion": "0.6.13", "envdAccessToken": "t", "trafficAccessToken": None, "domain": None}
 

@@ -16,7 +16,7 @@ import pytest
 
 from keepstate.ports import AGENT_PORT
 from keepstate.runtime.base import Handle, Limits, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
-from keepstate.testing import FakeRuntime
+from keepstate.testing import FakeRuntime, leftovers
 
 from ..sandbox.conftest import gvisor_unavailable
 
@@ -180,3 +180,21 @@ def test_slots_are_claimed_once_and_record_their_owner(subject: Subject, tmp_pat
     assert (n, "ks-conf-owner") not in slots.orphaned()
     slots.release(n)
     assert slots.owner(n) is None and slots.claim(n)
+
+
+def test_inventory_lists_an_instance_until_it_is_destroyed_and_its_slot_released(subject: Subject,
+                                                                                 tmp_path: Path) -> None:
+    rt = subject.runtime
+    (tmp_path / "catalog.sqlite").touch()  # a live data directory: no server on this host takes it for an orphan
+    spec, slot = subject.spec(), subject.slot()
+    rt.slots.record_owner(slot, str(tmp_path), spec.name)
+    handle = rt.create(spec, slot)
+    wait_agent(handle)
+    mine = [lo for lo in leftovers(tmp_path, rt) if lo.name == spec.name]
+    assert {"container", "slot"} <= {lo.kind for lo in mine}
+    assert rt.remains(handle) and all(lo.kind != "slot" for lo in rt.remains(handle))
+    rt.destroy(handle)
+    assert rt.remains(handle) == []
+    assert [lo.kind for lo in leftovers(tmp_path, rt) if lo.name == spec.name] == ["slot"]  # the caller's to release
+    rt.slots.release(slot)
+    assert leftovers(tmp_path, rt) == []

@@ -34,10 +34,18 @@ def test_oci_spec_limits_namespace_and_readonly_lib() -> None:
     doc = oci_spec(spec, link, Path("/lib/keepstate"))
     res = doc["linux"]["resources"]
     assert res["memory"]["limit"] == 256 << 20 and res["cpu"]["quota"] == 150_000 and res["pids"]["limit"] == 99
+    assert res["cpu"]["shares"] == 1536  # 1024 per CPU: under contention each sandbox gets its limit's share
     assert {"type": "network", "path": "/run/netns/ks5"} in doc["linux"]["namespaces"]
     lib = [m for m in doc["mounts"] if m["destination"] == "/opt/keepstate/lib/keepstate"][0]
     assert "ro" in lib["options"]
     assert doc["process"]["args"][0] == "/usr/bin/tini"
+
+
+def test_oci_spec_cpu_shares_follow_the_cpu_limit() -> None:
+    link = network.link_for(5)
+    for cpu, shares in ((0.5, 512), (1, 1024), (2, 2048), (4, 4096)):
+        spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(cpu, 256))
+        assert oci_spec(spec, link, Path("/l"))["linux"]["resources"]["cpu"]["shares"] == shares
 
 
 def test_oci_spec_bind_mounts_volumes_read_write() -> None:

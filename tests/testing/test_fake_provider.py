@@ -22,7 +22,7 @@ MSG = [{"role": "user", "content": "one two three"}]
 
 def test_public_exports_are_pinned() -> None:
     assert keepstate.testing.__all__ == ["FakeProvider", "FakeRuntime", "FakeTemplates", "Fault", "Served", "Stats",
-                                         "fake_provider_in_thread"]
+                                         "fake_provider_in_thread", "leftovers"]
 
 
 async def test_deterministic_answers_and_bill() -> None:

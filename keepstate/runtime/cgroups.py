@@ -1,0 +1,127 @@
+"""A sandbox's cgroups on the host, read and torn down without runsc (docs/design/teardown.md).
+
+runsc puts each sandbox in `<parent>/<name>` of every cgroup v1 controller (and of the v2 hierarchy, when it
+uses one). Killing its processes here is a write per process, where `runsc kill` is a Go process start that
+competes with every other sandbox for the CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+UNIFIED = "unified"  # where a hybrid host mounts cgroup2; on a pure v2 host ROOT itself is the v2 hierarchy
+
+
+def paths(parent: str, name: str, root: Path = ROOT) -> list[Path]:
+    """Every existing cgroup folder of the sandbox: one per v1 controller, and the v2 one."""
+    out: list[Path] = []
+    if (root / "cgroup.controllers").exists():  # pure v2
+        candidates = [root / parent / name]
+    else:
+        try:
+            mounts = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+        except OSError:
+            mounts = []
+        candidates = [m / parent / name for m in mounts]
+    for c in candidates:
+        if c.is_dir():
+            out.append(c)
+    return out
+
+
+def pids(folders: list[Path]) -> set[int]:
+    """The processes (and threads, from v1's `tasks`) in these cgroups and their children."""
+    found: set[int] = set()
+    for folder in folders:
+        for sub, _dirs, _files in os.walk(folder):
+            for leaf in ("cgroup.procs", "tasks"):
+                try:
+                    text = (Path(sub) / leaf).read_text()
+                except OSError:
+                    continue
+                found.update(int(p) for p in text.split())
+    return found
+
+
+def frozen(folder: Path) -> bool:
+    for leaf, values in (("freezer.state", ("FROZEN", "FREEZING")), ("cgroup.freeze", ("1",))):
+        try:
+            if (folder / leaf).read_text().strip() in values:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def thaw(folder: Path) -> None:
+    for leaf, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+        if (folder / leaf).exists():
+            try:
+                (folder / leaf).write_text(value)
+            except OSError:
+                pass
+
+
+def kill(folders: list[Path]) -> int:
+    """SIGKILL every process of the cgroups, then thaw the frozen ones (a frozen process receives its SIGKILL only
+    once thawed, and thawing after the kills lets nothing run in between). Returns how many were signalled."""
+    targets = pids(folders)
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for folder in folders:
+        for sub, _dirs, _files in os.walk(folder):
+            if frozen(Path(sub)):
+                thaw(Path(sub))
+    return len(targets)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter ("Z": a zombie, "": gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def kill_all(parent: str, name: str, timeout: float = 10.0, root: Path = ROOT) -> list[int]:
+    """Kill every process of the sandbox's cgroups (any that appear meanwhile too) and wait until they are dead, at
+    most `timeout` seconds; returns those still alive then (empty: all dead).
+
+    Dead, not reaped: a zombie holds nothing but its pid, and its parent (init, for a detached sandbox) may take
+    long to reap it (this host's: 1.2 s idle, over a minute at a load of 80)."""
+    folders = paths(parent, name, root)
+    if not folders:
+        return []
+    deadline = time.monotonic() + timeout
+    seen: set[int] = set()
+    pause = 0.005
+    while True:
+        kill(folders)
+        seen |= pids(folders)
+        alive = sorted(pid for pid in seen if _state(pid) not in ("", "Z"))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def remove(parent: str, name: str, root: Path = ROOT) -> list[Path]:
+    """rmdir the sandbox's (empty) cgroups, children first; returns those that could not be removed."""
+    failed: list[Path] = []
+    for folder in paths(parent, name, root):
+        for sub, _dirs, _files in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+            try:
+                os.rmdir(sub)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                failed.append(Path(sub))
+    return failed
