@@ -39,6 +39,7 @@ from .agent_client import AgentClient, Quiesced, agent_url
 from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
 from .durable import Durability
 from .gateway_runs import GatewayRuns
+from .idle import DEFAULT_AFTER, IdleFreezer
 from .instances import Instances, handle_of
 from .pool import Pool
 from .record import Instance, SandboxRow, Settings
@@ -89,7 +90,8 @@ class SandboxManager:
     def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
-                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None) -> None:
+                 standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
+                 freeze_idle_after: float = DEFAULT_AFTER) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -115,6 +117,7 @@ class SandboxManager:
         self._builds: dict[str, asyncio.Task[Built]] = {}
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
+        self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -124,6 +127,8 @@ class SandboxManager:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(loops.expire_loop(self), name="expire"))
         self._tasks.append(loop.create_task(loops.metrics_loop(self), name="metrics"))
+        if self.idle.enabled:
+            self._tasks.append(loop.create_task(self.idle.run(), name="idle-freezer"))
         for name in warm:
             with contextlib.suppress(Exception):
                 built = await asyncio.to_thread(self.templates.latest, name)
@@ -142,6 +147,7 @@ class SandboxManager:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        self.idle.wake_all()  # what the next server adopts runs (any server, of any release, can then reach it)
         if reap:
             rows = [r for p in self.pools.values() for r in p.drain()]
             rows += [r for r in self.records.values() if r.runtime_name]
@@ -195,6 +201,11 @@ class SandboxManager:
         return out
 
     # -- the command gate ---------------------------------------------------------------------------------------
+    def command_running(self, sandbox_id: str) -> bool:
+        """Whether a lifecycle command holds or awaits the sandbox's lock."""
+        lock = self._locks.get(sandbox_id)
+        return lock is not None and lock.locked()
+
     def lock(self, sandbox_id: str) -> asyncio.Lock:
         lock = self._locks.get(sandbox_id)
         if lock is None:
@@ -275,7 +286,7 @@ class SandboxManager:
         pool.start()
         # A pooled sandbox has no volumes: a create with mounts starts a fresh instance with them.
         pooled = limits == self._limits(built) and not volume_mounts
-        row = pool.take() if pooled else None
+        row = self._take(pool) if pooled else None
         if row is None:
             row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
         require(Command.CREATE, row.state, row.sandbox_id)
@@ -308,7 +319,14 @@ class SandboxManager:
     def _pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
         """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)."""
         pool = self.pools.get(built.digest)
-        return pool.take() if pool is not None and limits == self._limits(built) else None
+        return self._take(pool) if pool is not None and limits == self._limits(built) else None
+
+    def _take(self, pool: Pool) -> SandboxRow | None:
+        """A pooled sandbox, thawed if the idle freezer froze it (its ID changes now: the waker would not know it)."""
+        row = pool.take()
+        if row is not None:
+            self.idle.wake(row.sandbox_id)
+        return row
 
     def _limits(self, built: Built, req: CreateRequest | None = None) -> Limits:
         """A new sandbox's limits: the request's, else its template's, else (the disk) the server's."""
@@ -567,6 +585,8 @@ class SandboxManager:
     def _kill_running(self, row: SandboxRow, reason: str) -> None:
         """Unreachable at once; the teardown (a second or two) runs in the background."""
         self.records.pop(row.sandbox_id, None)
+        self.idle.wake(row.sandbox_id)  # torn down awake: `runsc kill` signals through the sentry
+        self.agents.forget(row.sandbox_id)
         self._set(row, State.KILLED)
         self.agents.abort(row.sandbox_id)
         self.recorder.killed(row.session_id, reason)
