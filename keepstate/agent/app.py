@@ -56,6 +56,7 @@ class AgentApp:
         self._supervisor: Any = None
         self._metrics: Any = None
         self._sudo: Any = None
+        self._idle: Any = None
 
     # --- lazily built parts -----------------------------------------------------------------------------------
     def rpc_apps(self) -> dict[str, Any]:
@@ -188,6 +189,9 @@ class AgentApp:
                 raise HTTPError(400, str(e)) from None
             await send_json(send, 200, self.journal.page(after, limit))
             return
+        if path == "/keepstate/idle" and method == "GET":
+            await send_json(send, 200, self._idle_probe().look())
+            return
         if path == "/keepstate/files" and method in ("GET", "PUT"):
             from keepstate.agent import files_archive  # a filesystem-only pause and its resume: the host's
 
@@ -204,6 +208,30 @@ class AgentApp:
             await self.rpc_apps()[prefix](scope, receive, send)
             return
         raise HTTPError(404, f"no route for {method} {path}")
+
+    def _idle_probe(self) -> Any:
+        if self._idle is None:
+            from keepstate.agent.idle import IdleProbe
+
+            self._idle = IdleProbe(self._busy, self._own_pids, lambda: self.journal.last)
+        return self._idle
+
+    def _busy(self) -> str:
+        """Why the agent itself is not idle: a command or PTY runs, a watcher collects events ("" if neither)."""
+        if self._process_table is not None and self._process_table.running():
+            return "a command runs"
+        if self._filesystem is not None and self._filesystem.watching():
+            return "a watcher collects events"
+        return ""
+
+    def _own_pids(self) -> set[int]:
+        """The agent's spares and template services (their descendants are the agent's too)."""
+        pids: set[int] = set()
+        if self._process_table is not None and self._process_table.spares is not None:
+            pids |= self._process_table.spares.pids()
+        if self._supervisor is not None:
+            pids |= self._supervisor.pids()
+        return pids
 
     async def _init(self, receive: Receive, send: Send) -> None:
         body = await read_body(receive, 1 << 20)

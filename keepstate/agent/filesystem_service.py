@@ -126,6 +126,10 @@ class FilesystemService(Filesystem):
         self._journal = journal or Journal()
         self._watchers: dict[str, _PolledWatcher] = {}
 
+    def watching(self) -> int:
+        """How many watchers (CreateWatcher) collect events for a client (the host does not freeze it meanwhile)."""
+        return len(self._watchers)
+
     def _user_path(self, path: str, ctx: Any, check: Callable[[str, Identity], None]) -> tuple[User, str]:
         """The request's user and resolved path, once `check` says that user may do this to it."""
         user = request_user(self._settings, ctx)

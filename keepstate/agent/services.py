@@ -109,6 +109,9 @@ class Supervisor:
     def pid(self, name: str) -> int | None:
         return self._pids.get(name)
 
+    def pids(self) -> set[int]:
+        return set(self._pids.values())
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -138,6 +138,9 @@ class Spares:
             self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(IDLE_S, self.prime, user)
 
+    def pids(self) -> set[int]:
+        return {spare.popen.pid for spare in self._by_uid.values()}
+
     def take(self, user: User) -> Spare | None:
         if self._timer is not None:
             self._timer.cancel()

@@ -58,6 +58,7 @@ class ServerConfig:
     disk_mb: int = DEFAULT_DISK_MB  # a sandbox's disk quota when its template names none
     standby_seconds: int = 300  # a paused sandbox stays frozen in memory this long (a resume is then a thaw)
     standby_mb: int = 2048  # memory all standbys together may hold
+    freeze_idle_after: float = 2.0  # seconds without a call before an idle sandbox is frozen; 0: never
     runtime: str = "gvisor"  # or "fake": keepstate.testing.FakeRuntime, no isolation (tests only)
     volume_size_mb: int = DEFAULT_SIZE_MB  # a new volume's quota unless its create says (docs/design/volumes.md)
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
@@ -157,7 +158,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
-                             boot_images=config.boot_images)
+                             boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after)
     router = Router(manager)
     keys = KeyCache(catalog)
 

@@ -34,8 +34,14 @@ log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
 CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
-# Paths of the agent that only the host may call.
-_PRIVATE = {"/init", "/keepstate/files"}  # the host's: /init, a filesystem-only pause's files
+# Paths of the agent that only the host may call: /init, and everything under /keepstate/ (a filesystem-only
+# pause's files, the idle look that decides a freeze).
+_PRIVATE = {"/init"}
+_PRIVATE_PREFIX = "/keepstate/"
+
+
+def private(path: str) -> bool:
+    return path in _PRIVATE or path.startswith(_PRIVATE_PREFIX)
 
 
 def not_found(sandbox_id: str) -> web.Response:
@@ -107,7 +113,7 @@ class Router:
         row = self.manager.route(sandbox_id)
         if row is None:
             return not_found(sandbox_id)
-        if port == AGENT_PORT and request.path in _PRIVATE:
+        if port == AGENT_PORT and private(request.path):
             return web.json_response({"code": 403, "message": f"{request.path} is reserved for the host"},
                                      status=403)
         if (port == AGENT_PORT and request.method == "POST" and request.path == "/files"

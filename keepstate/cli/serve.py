@@ -34,6 +34,10 @@ from .common import Command, home_option
                    "(milliseconds) instead of a restore from the store; 0 disables standbys.")
 @click.option("--standby-mb", default=2048, show_default=True, type=int,
               help="Memory all standbys together may hold; the oldest are released first.")
+@click.option("--freeze-idle-after", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds without a call into a sandbox after which, if nothing runs in it, it is frozen (its "
+                   "cgroup: no CPU at all) until the next call thaws it, a few ms; 0 never freezes "
+                   "(docs/design/idle.md).")
 @click.option("--disk-mb", default=DEFAULT_DISK_MB, show_default=True, type=click.IntRange(min=0),
               help="Each sandbox's disk (its writable layer, a sparse image on this host) in MiB, when its template "
                    "names none: a fuller disk is ENOSPC for the writer (docs/design/sandbox-disk.md). 0 keeps the "
@@ -72,7 +76,8 @@ from .common import Command, home_option
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
-          gateway_port: int, standby_seconds: int, standby_mb: int, disk_mb: int, volume_size_mb: int,
+          gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
+          disk_mb: int, volume_size_mb: int,
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, reap_on_exit: bool,
           runtime_kind: str, log_level: str) -> None:
@@ -102,6 +107,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
+                          freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,

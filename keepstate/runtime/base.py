@@ -125,8 +125,9 @@ class Runtime(Protocol):
     """A sandbox engine. Instances are named (unique on the host) and sit in a network slot; every method is
     blocking (the sandbox package calls them from worker threads) and raises RuntimeFailure on failure.
 
-    Instance states, as `state` and `statuses` report them: "running", "paused" (frozen), "gone" (no such
-    instance), or another word of the engine's for an instance on its way out (e.g. "stopped")."""
+    Instance states, as `state` and `statuses` report them: "running" (an idle-frozen one too), "paused" (frozen),
+    "gone" (no such instance), "unknown" (its state could not be read: alive, as far as anyone may conclude), or
+    another word of the engine's for an instance on its way out (e.g. "stopped")."""
 
     @property
     def kind(self) -> str: ...
@@ -148,7 +149,7 @@ class Runtime(Protocol):
         """One instance's state (see the class docstring)."""
 
     def is_alive(self, handle: Handle) -> bool:
-        """Running or frozen."""
+        """Running, frozen or unknown."""
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         """Write a consistent image of memory, processes and files into image_dir. A frozen sandbox stays frozen.
@@ -159,6 +160,17 @@ class Runtime(Protocol):
 
     def thaw(self, handle: Handle) -> None:
         """Let a frozen sandbox run on from exactly where it was frozen."""
+
+    def idle_freeze(self, handle: Handle) -> None:
+        """Stop the sandbox's host processes altogether while it is idle, so that it costs no CPU
+        (docs/design/idle.md); quick (the caller may be an event loop). Unlike `freeze`, the instance's state stays
+        "running"; nothing may reach it until `idle_thaw`, and no connection may be open into it meanwhile."""
+
+    def idle_thaw(self, handle: Handle) -> None:
+        """Undo `idle_freeze`; quick and idempotent (a no-op on an instance that is not frozen or is gone)."""
+
+    def idle_frozen(self, handle: Handle) -> bool:
+        """Whether `idle_freeze` holds the instance."""
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""

@@ -1,17 +1,26 @@
-"""A sandbox's cgroups on the host, read and torn down without runsc (docs/design/teardown.md).
+"""A sandbox's host cgroups (`<parent>/<name>` of every cgroup v1 controller, and of the v2 hierarchy when it uses
+one; made by runsc from the OCI spec's cgroupsPath), used without runsc.
 
-runsc puts each sandbox in `<parent>/<name>` of every cgroup v1 controller (and of the v2 hierarchy, when it
-uses one). Killing its processes here is a write per process, where `runsc kill` is a Go process start that
-competes with every other sandbox for the CPUs.
+Teardown (docs/design/teardown.md): killing its processes here is a write per process, where `runsc kill` is a Go
+process start that competes with every other sandbox for the CPUs.
+
+Freezing (docs/design/idle.md): the kernel's freezer stops every host process of the sandbox (sentry, gofer,
+systrap stubs) where it is, so an idle sandbox costs no CPU at all; gVisor's own pause (`runsc pause`) stops the
+sandbox's tasks but not the sentry's goroutines (the systrap fast-path loop keeps a core ~5 % busy). cgroup v1's
+freezer (`freezer.state`: FROZEN / THAWED) where it is mounted, else cgroup v2's `cgroup.freeze`. Writes are single
+small file writes (well under a millisecond), so callers on an event loop may make them inline.
 """
+
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 
+CGROUP_PARENT = "keepstate"
 ROOT = Path("/sys/fs/cgroup")
 UNIFIED = "unified"  # where a hybrid host mounts cgroup2; on a pure v2 host ROOT itself is the v2 hierarchy
 
@@ -47,7 +56,7 @@ def pids(folders: list[Path]) -> set[int]:
     return found
 
 
-def frozen(folder: Path) -> bool:
+def _folder_frozen(folder: Path) -> bool:
     for leaf, values in (("freezer.state", ("FROZEN", "FREEZING")), ("cgroup.freeze", ("1",))):
         try:
             if (folder / leaf).read_text().strip() in values:
@@ -57,7 +66,7 @@ def frozen(folder: Path) -> bool:
     return False
 
 
-def thaw(folder: Path) -> None:
+def _folder_thaw(folder: Path) -> None:
     for leaf, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
         if (folder / leaf).exists():
             try:
@@ -77,8 +86,8 @@ def kill(folders: list[Path]) -> int:
             pass
     for folder in folders:
         for sub, _dirs, _files in os.walk(folder):
-            if frozen(Path(sub)):
-                thaw(Path(sub))
+            if _folder_frozen(Path(sub)):
+                _folder_thaw(Path(sub))
     return len(targets)
 
 
@@ -125,3 +134,57 @@ def remove(parent: str, name: str, root: Path = ROOT) -> list[Path]:
             except OSError:
                 failed.append(Path(sub))
     return failed
+
+
+# -- freezing (idle sandboxes) ------------------------------------------------------------------------------------
+def _v1(name: str, root: Path = ROOT) -> Path | None:
+    """The sandbox's v1 freezer cgroup, or None where no v1 freezer hierarchy is mounted."""
+    if not (root / "freezer" / "freezer.state").exists() and not (root / "freezer" / "cgroup.procs").exists():
+        return None
+    return root / "freezer" / CGROUP_PARENT / name
+
+
+def _v2(name: str, root: Path = ROOT) -> list[Path]:
+    """The sandbox's v2 cgroups that can freeze: the unified root itself (a pure v2 host) or its hybrid mount."""
+    return [base / CGROUP_PARENT / name for base in (root, root / "unified")
+            if (base / CGROUP_PARENT / name / "cgroup.freeze").exists()]
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        path.write_text(value)
+        return True
+    except FileNotFoundError:
+        return False  # the sandbox (and so its cgroup) is gone
+
+
+def freeze(name: str, root: Path = ROOT) -> bool:
+    """Freeze every process of the sandbox; False if it has no cgroup to freeze (it is gone)."""
+    v1 = _v1(name, root)
+    done = _write(v1 / "freezer.state", "FROZEN") if v1 is not None else False
+    for cg in _v2(name, root):
+        done = _write(cg / "cgroup.freeze", "1") or done
+    return done
+
+
+def thaw(name: str, root: Path = ROOT) -> None:
+    """Let the sandbox's processes run on; idempotent, and a no-op for a sandbox that is gone."""
+    v1 = _v1(name, root)
+    if v1 is not None:
+        _write(v1 / "freezer.state", "THAWED")
+    for cg in _v2(name, root):
+        _write(cg / "cgroup.freeze", "0")
+
+
+def frozen(name: str, root: Path = ROOT) -> bool:
+    """Whether any of the sandbox's cgroups is frozen or freezing."""
+    v1 = _v1(name, root)
+    if v1 is not None:
+        with contextlib.suppress(OSError):
+            if (v1 / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING"):
+                return True
+    for cg in _v2(name, root):
+        with contextlib.suppress(OSError):
+            if (cg / "cgroup.freeze").read_text().strip() == "1":
+                return True
+    return False

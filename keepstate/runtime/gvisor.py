@@ -31,12 +31,13 @@ from keepstate.ports import AGENT_PORT
 
 from . import cgroups, network, remains
 from .base import Endpoint, Handle, Leftover, RuntimeFailure, SandboxSpec, host_cpu_flags
+from .runsc_state import container_state, container_states
 
 log = logging.getLogger("keepstate.runtime")
 
 __all__ = ["GVisorRuntime", "HostSlots", "host_cpu_flags", "runsc_release", "have_runsc", "oci_spec"]
 
-CGROUP_PARENT = "keepstate"
+CGROUP_PARENT = cgroups.CGROUP_PARENT
 KILL_TIMEOUT = 10.0  # seconds a SIGKILLed sandbox may take to be gone before its teardown counts as failed
 _CAPS = [
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
@@ -161,7 +162,8 @@ class GVisorRuntime:
 
     def __init__(self, state_dir: Path, runsc_root: Path | None = None) -> None:
         self.state_dir = state_dir
-        self.root = runsc_root or Path("/run/keepstate/runsc")
+        # KEEPSTATE_RUNSC_ROOT: a root of its own (a server under test beside others on one host).
+        self.root = runsc_root or Path(os.environ.get("KEEPSTATE_RUNSC_ROOT") or "/run/keepstate/runsc")
         self.root.mkdir(parents=True, exist_ok=True)
         self.lib_dir = Path(keepstate.__file__).resolve().parent
         self.slots = HostSlots()
@@ -269,16 +271,12 @@ class GVisorRuntime:
             log.warning("after a failed start: %s", exc)
 
     def state(self, name: str) -> str:
-        proc = self._runsc("state", name, timeout=20)
-        if proc.returncode != 0:
-            return "gone"
-        try:
-            return str(json.loads(proc.stdout).get("status", "unknown"))
-        except json.JSONDecodeError:
-            return "unknown"
+        # From runsc's state file, never `runsc state`: that hangs on a frozen sandbox (runsc_state.py).
+        return container_state(self.root, name)
 
     def is_alive(self, handle: Handle) -> bool:
-        return self.state(handle.name) in ("running", "paused")  # paused: frozen by a checkpoint in progress
+        # paused: frozen by a checkpoint in progress; unknown: its state file could not be read, never taken as dead
+        return self.state(handle.name) in ("running", "paused", "unknown")
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
@@ -286,6 +284,7 @@ class GVisorRuntime:
         args = ["checkpoint", f"--image-path={image_dir}", "--compression=none", "--exclude-committed-zero-pages"]
         if leave_running:
             args.append("--leave-running")
+        cgroups.thaw(handle.name)  # runsc talks to the sentry: an idle-frozen one would never answer
         proc = self._runsc(*args, handle.name, timeout=600)
         if proc.returncode != 0:
             # The whole of what runsc said (a state-encoding panic names the object under its stack) goes
@@ -295,11 +294,13 @@ class GVisorRuntime:
                                  f"{_gist(proc.stderr)}")
 
     def freeze(self, handle: Handle) -> None:
+        cgroups.thaw(handle.name)
         proc = self._runsc("pause", handle.name, timeout=30)
         if proc.returncode != 0:
             raise RuntimeFailure(f"runsc pause of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
 
     def thaw(self, handle: Handle) -> None:
+        cgroups.thaw(handle.name)
         proc = self._runsc("resume", handle.name, timeout=30)
         if proc.returncode != 0:
             raise RuntimeFailure(f"runsc resume of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
@@ -316,6 +317,16 @@ class GVisorRuntime:
             self._undo(self._handle(spec, link))
             raise self._fail("restore", spec.name, proc)
         return self._handle(spec, link)
+
+    def idle_freeze(self, handle: Handle) -> None:
+        if not cgroups.freeze(handle.name):
+            raise RuntimeFailure(f"sandbox {handle.name} has no cgroup to freeze (is it gone?)")
+
+    def idle_thaw(self, handle: Handle) -> None:
+        cgroups.thaw(handle.name)
+
+    def idle_frozen(self, handle: Handle) -> bool:
+        return cgroups.frozen(handle.name)
 
     def destroy(self, handle: Handle) -> None:
         """Kill its processes through its cgroups, remove runsc's files of it, then what else is left, its state
@@ -412,14 +423,7 @@ class GVisorRuntime:
         return out
 
     def statuses(self) -> dict[str, str]:
-        proc = self._runsc("list", "--format=json", timeout=20)
-        if proc.returncode != 0:
-            return {}
-        try:
-            items = json.loads(proc.stdout) or []
-        except json.JSONDecodeError:
-            return {}
-        return {i["id"]: str(i.get("status")) for i in items}
+        return container_states(self.root)  # not `runsc list`: it hangs on any frozen sandbox under the root
 
 
 def _kill_ours(pid: int, name: str) -> bool:

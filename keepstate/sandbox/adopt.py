@@ -34,7 +34,8 @@ async def adopt(m: SandboxManager) -> None:
     await sweep_orphans(m)
     rows = m.catalog.sandboxes()
     statuses = await asyncio.to_thread(m.runtime.statuses)
-    alive = {name for name, status in statuses.items() if status == "running"}
+    # unknown: its state could not be read; never reap on a failed read
+    alive = {name for name, status in statuses.items() if status in ("running", "unknown")}
     frozen = {name for name, status in statuses.items() if status == "paused"}
     latest: dict[str, str | None] = {}
     for row in rows:
@@ -74,6 +75,9 @@ async def adopt(m: SandboxManager) -> None:
                           row.sandbox_id, exc)
         stale_pool = row.state == State.POOLED and latest.get(row.template_id) != row.template_digest
         if row.state in (State.RUNNING, State.POOLED) and row.runtime_name in alive and not stale_pool:
+            # A server that stopped (or died) with it frozen while idle: it runs again; this server's freezer
+            # freezes it anew once it is idle.
+            await asyncio.to_thread(m.runtime.idle_thaw, handle_of(row))
             m.catalog.put_sandbox(row)
             if row.state == State.RUNNING:
                 m.records[row.sandbox_id] = row

@@ -14,6 +14,12 @@ connection in gVisor's netstack at checkpoint time wedges the agent after a rest
   the netstack a moment to see the closes, and only then yields. The gate opens again when the block ends.
 
 A fourth caller that went around this class would break checkpoints; none may.
+
+It is also the idle freezer's door (idle.py, docs/design/idle.md): `waker(sandbox_id)` is called synchronously
+at the start of every call, proxied request and quiesce, before any connection is made, and thaws a frozen
+sandbox; a poll (the journal poller's pulls, the metrics sampler's, the freezer's own looks) does not wake one
+(`asleep(sandbox_id)`: it raises Quiesced instead) and is not activity. `last_active` and `busy` are what the
+freezer reads: when a call or proxied request last started or ended, and whether one is in flight.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ class AgentClient:
         self._hold: set[str] = set()  # quiesced sandboxes whose router requests wait
         self._proxy: dict[str, aiohttp.ClientSession] = {}
         self._inflight: dict[str, set[InFlight]] = {}
+        self._active: dict[str, float] = {}  # monotonic time a counted call last started or ended, by sandbox
+        self._busy: Counter[str] = Counter()  # counted calls and proxied requests in flight, by sandbox
+        self.waker: Callable[[str], None] | None = None  # thaws a frozen sandbox (the idle freezer's)
+        self.asleep: Callable[[str], bool] | None = None  # whether a sandbox is frozen
 
     async def start(self) -> None:
         if self._http is None:
@@ -88,6 +98,7 @@ class AgentClient:
     async def quiesce(self, sandbox_id: str, hold: bool) -> AsyncIterator[None]:
         if sandbox_id in self._closed:
             raise RuntimeError(f"sandbox {sandbox_id} is already quiesced")  # the lifecycle lock prevents this
+        self.wake(sandbox_id)  # a frozen sandbox can neither be checkpointed nor close a connection
         self._closed[sandbox_id] = asyncio.Event()
         if hold:
             self._hold.add(sandbox_id)
@@ -103,20 +114,54 @@ class AgentClient:
             self._hold.discard(sandbox_id)
             self._closed.pop(sandbox_id).set()
 
+    # -- activity (the idle freezer's) ------------------------------------------------------------------------------
+    def wake(self, sandbox_id: str) -> None:
+        if self.waker is not None:
+            self.waker(sandbox_id)
+
+    def last_active(self, sandbox_id: str) -> float:
+        """The monotonic time a call or proxied request into the sandbox last started or ended; 0 if none did."""
+        return self._active.get(sandbox_id, 0.0)
+
+    def busy(self, sandbox_id: str) -> bool:
+        """Whether a call or proxied request (not a poll) is in flight into the sandbox."""
+        return bool(self._busy[sandbox_id])
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone: drop what activity tracking held for it."""
+        self._active.pop(sandbox_id, None)
+
+    @contextlib.contextmanager
+    def _activity(self, sandbox_id: str) -> Iterator[None]:
+        self.wake(sandbox_id)
+        self._busy[sandbox_id] += 1
+        self._active[sandbox_id] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._active[sandbox_id] = time.monotonic()
+            self._busy[sandbox_id] -= 1
+            if not self._busy[sandbox_id]:
+                del self._busy[sandbox_id]
+
     @contextlib.asynccontextmanager
-    async def _call(self, sandbox_id: str) -> AsyncIterator[aiohttp.ClientSession]:
+    async def _call(self, sandbox_id: str, poll: bool = False) -> AsyncIterator[aiohttp.ClientSession]:
+        """A host call. A poll neither wakes a frozen sandbox (it raises Quiesced) nor counts as activity."""
         if sandbox_id in self._closed:
             raise Quiesced(f"sandbox {sandbox_id} is being checkpointed")
+        if poll and self.asleep is not None and self.asleep(sandbox_id):
+            raise Quiesced(f"sandbox {sandbox_id} is frozen while idle")
         assert self._http is not None, "AgentClient.start() was not called"
-        self._calls[sandbox_id] += 1
-        try:
-            yield self._http
-        finally:
-            self._calls[sandbox_id] -= 1
-            if not self._calls[sandbox_id]:
-                del self._calls[sandbox_id]
-                async with self._idle:
-                    self._idle.notify_all()
+        with contextlib.nullcontext() if poll else self._activity(sandbox_id):
+            self._calls[sandbox_id] += 1
+            try:
+                yield self._http
+            finally:
+                self._calls[sandbox_id] -= 1
+                if not self._calls[sandbox_id]:
+                    del self._calls[sandbox_id]
+                    async with self._idle:
+                        self._idle.notify_all()
 
     # -- host calls ----------------------------------------------------------------------------------------------
     async def wait_ready(self, sandbox_id: str, address: str, timeout: float) -> None:
@@ -145,7 +190,7 @@ class AgentClient:
 
     async def metrics(self, sandbox_id: str, address: str, token: str) -> dict[str, Any] | None:
         """The agent's /metrics (disk figures), None if it answers something else."""
-        async with self._call(sandbox_id) as http, \
+        async with self._call(sandbox_id, poll=True) as http, \
                 http.get(agent_url(address) + "/metrics", headers={"X-Access-Token": token},
                          timeout=aiohttp.ClientTimeout(total=2)) as r:
             if r.status != 200:
@@ -155,12 +200,24 @@ class AgentClient:
 
     async def journal(self, sandbox_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
         """One page of the agent's journal: (status, body); the journal poller's transport."""
-        async with self._call(sandbox_id) as http, \
+        async with self._call(sandbox_id, poll=True) as http, \
                 http.get(url.rstrip("/") + "/journal", params={"after": str(after), "limit": str(limit)},
                          headers={"X-Access-Token": token}, timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status != 200:
                 return r.status, (await r.text())[:200]
             return r.status, await r.json(content_type=None)
+
+    async def idle(self, sandbox_id: str, address: str, token: str) -> dict[str, Any]:
+        """The agent's /keepstate/idle (agent/idle.py): {"idle", "why", "last"}; a poll."""
+        async with self._call(sandbox_id, poll=True) as http, \
+                http.get(agent_url(address) + "/keepstate/idle", headers={"X-Access-Token": token},
+                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise RuntimeFailure(f"agent of {sandbox_id} answered /keepstate/idle with {r.status}")
+            body = await r.json()
+            if not isinstance(body, dict):
+                raise RuntimeFailure(f"agent of {sandbox_id} answered /keepstate/idle with {body!r}")
+            return body
 
     async def export_files(self, sandbox_id: str, address: str, token: str, dest: Path) -> int:
         """The sandbox's files as changes against its template (agent/files_archive.py), into `dest`; their size.
@@ -214,12 +271,28 @@ class AgentClient:
 
     @contextlib.contextmanager
     def proxying(self, sandbox_id: str, transport: asyncio.BaseTransport | None) -> Iterator[InFlight]:
+        """Register a proxied request (before it connects: a frozen sandbox is thawed here)."""
         flight = InFlight(transport)
-        self._inflight.setdefault(sandbox_id, set()).add(flight)
-        try:
-            yield flight
-        finally:
-            self._inflight.get(sandbox_id, set()).discard(flight)
+        with self._activity(sandbox_id):
+            self._inflight.setdefault(sandbox_id, set()).add(flight)
+            try:
+                yield flight
+            finally:
+                self._inflight.get(sandbox_id, set()).discard(flight)
+
+    def has_pool(self, sandbox_id: str) -> bool:
+        session = self._proxy.get(sandbox_id)
+        return session is not None and not session.closed
+
+    async def close_pool(self, sandbox_id: str) -> None:
+        """Close the router's keep-alive connections into the sandbox, unless a proxied request is in flight (the
+        idle freezer, before a freeze: a connection closed while the sandbox is frozen leaves the host's FIN
+        unanswered)."""
+        if self._inflight.get(sandbox_id):
+            return
+        session = self._proxy.pop(sandbox_id, None)
+        if session is not None:
+            await session.close()
 
     def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
         """Cut the sandbox's in-flight proxied requests; hand back its pool for closing.

@@ -74,6 +74,7 @@ class Checkpoints:
         session = row.session_id
         parent_id = row.settings.checkpoint_id
         checkpoint_id = new_checkpoint_id()
+        self.agents.wake(row.sandbox_id)  # frozen while idle: thawed for the journal's last pull and the capture
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
         pausing = kind == "pause"
         handle = handle_of(row)
@@ -118,6 +119,7 @@ class Checkpoints:
         session = row.session_id
         parent_id = row.settings.checkpoint_id
         checkpoint_id = new_checkpoint_id()
+        self.agents.wake(row.sandbox_id)
         ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, "pause")
         spool = self.durable.files_spool()
         started = time.monotonic()

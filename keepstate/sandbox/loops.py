@@ -1,5 +1,8 @@
 """The manager's background loops: expiry (timeouts, standby release) and metrics (with death detection).
 
+A sandbox frozen while idle (idle.py) is sampled from the host's cgroups alone: its agent is not asked (that would
+wake it, or fail), and its last disk figures stand.
+
 Neither acts on a sandbox itself: each asks the manager for a command (expire, died), which takes the sandbox's
 lock and re-checks its state, so a loop never acts on a record a command has changed meanwhile.
 """
@@ -50,12 +53,16 @@ async def expire_loop(m: SandboxManager) -> None:
 
 async def metrics_loop(m: SandboxManager) -> None:
     last: dict[str, tuple[float, int]] = {}
+    disks: dict[str, tuple[int, int]] = {}
     while True:
+        for gone in set(last) - {r.sandbox_id for r in m.running()}:
+            last.pop(gone, None)
+            disks.pop(gone, None)
         for row in m.running():
             if row.state != State.RUNNING or m.agents.quiesced(row.sandbox_id):
                 continue  # being checkpointed
             try:
-                sample = await sample_once(m, row, last)
+                sample = await sample_once(m, row, last, disks)
             except Exception as exc:  # a sandbox dying mid-sample is normal
                 log.debug("metrics of %s: %s", row.sandbox_id, exc)
                 continue
@@ -67,9 +74,11 @@ async def metrics_loop(m: SandboxManager) -> None:
         await asyncio.sleep(METRIC_INTERVAL)
 
 
-async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[float, int]]) -> dict[str, Any] | None:
-    """One metrics sample: cgroup figures from the host, disk figures from the agent. None: the instance has no
-    cgroup figures or does not answer (it may have died)."""
+async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[float, int]],
+                      disks: dict[str, tuple[int, int]] | None = None) -> dict[str, Any] | None:
+    """One metrics sample: cgroup figures from the host, disk figures from the agent (the last ones it gave while the
+    sandbox is frozen idle). None: the instance has no cgroup figures or does not answer (it may have died)."""
+    disks = {} if disks is None else disks
     stats = await asyncio.to_thread(m.runtime.cgroup_stats, handle_of(row))
     if not stats:
         return None
@@ -80,13 +89,16 @@ async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[
     pct = 0.0
     if prev and now > prev[0]:
         pct = max(0.0, (cpu_ns - prev[1]) / 1e9 / (now - prev[0]) / max(row.cpu, 1) * 100)
-    disk_used = disk_total = 0
+    disk_used, disk_total = disks.get(row.sandbox_id, (0, 0))
     try:
-        figures = await m.agents.metrics(row.sandbox_id, row.address, row.access_token)
-        if figures:
-            disk_used, disk_total = int(figures.get("disk_used", 0)), int(figures.get("disk_total", 0))
+        if not m.idle.frozen(row.sandbox_id):
+            figures = await m.agents.metrics(row.sandbox_id, row.address, row.access_token)
+            if figures:
+                disk_used, disk_total = int(figures.get("disk_used", 0)), int(figures.get("disk_total", 0))
+                disks[row.sandbox_id] = (disk_used, disk_total)
     except Quiesced:
-        return {}  # checkpointed meanwhile: no sample this round, and not dead
+        if not m.idle.frozen(row.sandbox_id):
+            return {}  # checkpointed meanwhile: no sample this round, and not dead
     except (TimeoutError, aiohttp.ClientConnectorError):
         return None  # the agent does not answer: the caller asks the runtime whether it is gone
     except (aiohttp.ClientError, ValueError):

@@ -41,6 +41,7 @@ from .boot_images import BootImages
 from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
 from .durable import Durability
 from .gateway_runs import GatewayRuns
+from .idle import DEFAULT_AFTER, IdleFreezer
 from .instances import Instances, handle_of
 from .pool import Pool
 from .record import Instance, SandboxRow, Settings
@@ -94,7 +95,8 @@ class SandboxManager:
                  durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
-                 admission: AdmissionConfig | None = None, boot_images: bool = True) -> None:
+                 admission: AdmissionConfig | None = None, boot_images: bool = True,
+                 freeze_idle_after: float = DEFAULT_AFTER) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -125,6 +127,7 @@ class SandboxManager:
         self._builds: dict[str, asyncio.Task[Built]] = {}
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
+        self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -134,6 +137,8 @@ class SandboxManager:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(loops.expire_loop(self), name="expire"))
         self._tasks.append(loop.create_task(loops.metrics_loop(self), name="metrics"))
+        if self.idle.enabled:
+            self._tasks.append(loop.create_task(self.idle.run(), name="idle-freezer"))
         for name in warm:
             with contextlib.suppress(Exception):
                 built = await asyncio.to_thread(self.templates.latest, name)
@@ -153,6 +158,7 @@ class SandboxManager:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        self.idle.wake_all()  # what the next server adopts runs (any server, of any release, can then reach it)
         if reap:
             rows = [r for p in self.pools.values() for r in p.drain()]
             rows += [r for r in self.records.values() if r.runtime_name]
@@ -230,6 +236,11 @@ class SandboxManager:
         return out
 
     # -- the command gate ---------------------------------------------------------------------------------------
+    def command_running(self, sandbox_id: str) -> bool:
+        """Whether a lifecycle command holds or awaits the sandbox's lock."""
+        lock = self._locks.get(sandbox_id)
+        return lock is not None and lock.locked()
+
     def lock(self, sandbox_id: str) -> asyncio.Lock:
         lock = self._locks.get(sandbox_id)
         if lock is None:
@@ -314,7 +325,7 @@ class SandboxManager:
         # Its places are checked and reserved in this step, and handed to its record in the step that lists it
         # (docs/design/admission.md). A warm sandbox claimed is on the host already: no host place is checked.
         with self.places.reserve(api_key_id, check_host=not claim):
-            row = pool.take() if claim else None
+            row = self._take(pool) if claim else None
             if row is None:
                 row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
             require(Command.CREATE, row.state, row.sandbox_id)
@@ -347,7 +358,14 @@ class SandboxManager:
     def _pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
         """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)."""
         pool = self.pools.get(built.digest)
-        return pool.take() if pool is not None and limits == self._limits(built) else None
+        return self._take(pool) if pool is not None and limits == self._limits(built) else None
+
+    def _take(self, pool: Pool) -> SandboxRow | None:
+        """A pooled sandbox, thawed if the idle freezer froze it (its ID changes now: the waker would not know it)."""
+        row = pool.take()
+        if row is not None:
+            self.idle.wake(row.sandbox_id)
+        return row
 
     def _limits(self, built: Built, req: CreateRequest | None = None) -> Limits:
         """A new sandbox's limits: the request's, else its template's, else (the disk) the server's."""
@@ -613,6 +631,8 @@ class SandboxManager:
     def _kill_running(self, row: SandboxRow, reason: str) -> None:
         """Unreachable at once; the teardown (a second or two) runs in the background."""
         self.records.pop(row.sandbox_id, None)
+        self.idle.wake(row.sandbox_id)  # torn down awake: `runsc kill` signals through the sentry
+        self.agents.forget(row.sandbox_id)
         self._set(row, State.KILLED)
         self.agents.abort(row.sandbox_id)
         self.recorder.killed(row.session_id, reason)

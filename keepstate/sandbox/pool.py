@@ -46,6 +46,10 @@ class Pool:
         self._ready.clear()
         return rows
 
+    def ready(self) -> list[SandboxRow]:
+        """The sandboxes ready in the pool (the idle freezer freezes them too)."""
+        return list(self._ready)
+
     def names(self) -> list[str]:
         """The runtime names of the sandboxes ready in the pool."""
         return [r.runtime_name for r in self._ready]

@@ -153,6 +153,9 @@ class JournalPoller:
         self._http = http
         self._own_http = http is None
         self.fetch = fetch
+        # Whether a session's sandbox is frozen while idle (the server's idle freezer): its round skips it (a
+        # frozen sandbox writes nothing; every entry was pulled before it froze).
+        self.asleep: Callable[[str], bool] | None = None
         self._sessions: dict[str, _Tracked] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -223,7 +226,7 @@ class JournalPoller:
         """One round over all tracked sessions; a failing agent is retried with backoff, never fatal."""
         for session_id in list(self._sessions):
             t = self._sessions.get(session_id)
-            if t is None or t.lock.locked():
+            if t is None or t.lock.locked() or (self.asleep is not None and self.asleep(session_id)):
                 continue
             if t.skip > 0:
                 t.skip -= 1

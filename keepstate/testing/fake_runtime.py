@@ -8,7 +8,8 @@ FakeRuntime claims a 127.N.0.0/16 of its own) that acts like the agent where the
 and a restore reads back, so a paused or forked fake sandbox comes back with its files.
 
 It keeps gVisor's hazards, so tests catch code that breaks the rules real sandboxes impose:
-- a **frozen** instance answers nothing until thawed (requests hang, as into a frozen sandbox);
+- a **frozen** instance answers nothing until thawed (requests hang, as into a frozen sandbox), whether `freeze`
+  (a pause's) or `idle_freeze` (an idle sandbox's cgroup freezer, docs/design/idle.md) froze it;
 - a **checkpoint taken while a connection is open** into the instance is recorded in `violations`, and an
   instance restored from that image is **wedged** (answers nothing), as gVisor 20240729's restored agent is.
 
@@ -161,6 +162,10 @@ class FakeAgent:
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.running.set()
+        self.awake = threading.Event()  # cleared while idle_freeze holds the instance
+        self.awake.set()
+        self.busy = False  # tests: a command "runs" (GET /keepstate/idle answers not idle)
+        self.idle_looks = 0  # how many times the host asked /keepstate/idle
         self.dead = threading.Event()
         self.server = _Server(address, self)
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -173,6 +178,7 @@ class FakeAgent:
     def stop(self) -> None:
         self.dead.set()
         self.running.set()
+        self.awake.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -205,6 +211,7 @@ class _Handler(BaseHTTPRequestHandler):
             agent.dead.wait()
             return False
         agent.running.wait()
+        agent.awake.wait()
         return not agent.dead.is_set()
 
     def _authorised(self) -> bool:
@@ -238,6 +245,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if data is None:
                     return self._json(404, {"code": 404, "message": f"path '{query.get('path')}' does not exist"})
                 return self._send(200, data, "application/octet-stream")
+            if url.path == "/keepstate/idle":  # the real agent also looks at processes and their CPU time
+                agent.idle_looks += 1
+                return self._json(200, {"idle": not agent.busy, "last": len(st.journal),
+                                        "why": "a command runs" if agent.busy else ""})
             if url.path == "/keepstate/files":  # a filesystem-only pause: the fake's files (not a tar)
                 return self._send(200, json.dumps(st.to_json()["files"]).encode(), "application/x-tar")
         self._json(404, {"code": 404, "message": f"no such path {url.path}"})
@@ -398,11 +409,12 @@ class FakeRuntime:
         return inst.status if inst is not None else "gone"
 
     def is_alive(self, handle: Handle) -> bool:
-        return self.state(handle.name) in ("running", "paused")
+        return self.state(handle.name) in ("running", "paused", "unknown")
 
     def checkpoint(self, handle: Handle, image_dir: Path, leave_running: bool = True) -> None:
         self._op("checkpoint")
         inst = self._get(handle.name)
+        inst.agent.awake.set()  # as GVisorRuntime: checkpoint, freeze, thaw and destroy undo an idle freeze first
         open_now = inst.agent.open_connections()
         if open_now:
             self.violations.append(f"checkpoint of {handle.name} with {open_now} connection(s) open")
@@ -420,14 +432,32 @@ class FakeRuntime:
     def freeze(self, handle: Handle) -> None:
         self._op("freeze")
         inst = self._get(handle.name)
+        inst.agent.awake.set()
         inst.agent.running.clear()
         inst.status = "paused"
 
     def thaw(self, handle: Handle) -> None:
         self._op("thaw")
         inst = self._get(handle.name)
+        inst.agent.awake.set()
         inst.status = "running"
         inst.agent.running.set()
+
+    def idle_freeze(self, handle: Handle) -> None:
+        self._op("idle_freeze")
+        self._get(handle.name).agent.awake.clear()
+
+    def idle_thaw(self, handle: Handle) -> None:
+        self.calls["idle_thaw"] = self.calls.get("idle_thaw", 0) + 1
+        with self._lock:
+            inst = self._instances.get(handle.name)
+        if inst is not None:
+            inst.agent.awake.set()
+
+    def idle_frozen(self, handle: Handle) -> bool:
+        with self._lock:
+            inst = self._instances.get(handle.name)
+        return inst is not None and not inst.agent.awake.is_set()
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         self._op("restore")

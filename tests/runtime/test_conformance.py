@@ -140,6 +140,42 @@ def test_freeze_stops_answering_until_thawed(subject: Subject) -> None:
     rt.destroy(handle)
 
 
+def test_idle_freeze_stops_answering_until_idle_thaw(subject: Subject) -> None:
+    """An idle freeze (docs/design/idle.md): nothing answers, yet the instance is running to every state reader
+    (reading it must not hang on it), and a thaw runs it on; destroying a frozen one works."""
+    rt = subject.runtime
+    handle = rt.create(subject.spec(), subject.slot())
+    wait_agent(handle)
+    wait_closed(handle)
+    rt.idle_freeze(handle)
+    assert rt.idle_frozen(handle)
+    assert rt.state(handle.name) == "running" and rt.is_alive(handle)
+    assert rt.statuses().get(handle.name) == "running"
+    with pytest.raises((OSError, urllib.error.URLError, socket.timeout)):
+        health(handle, timeout=0.5)
+    rt.idle_thaw(handle)
+    rt.idle_thaw(handle)  # idempotent
+    assert not rt.idle_frozen(handle)
+    wait_agent(handle, timeout=20)
+    wait_closed(handle)
+    rt.idle_freeze(handle)
+    rt.destroy(handle)
+    assert rt.state(handle.name) == "gone" and not rt.is_alive(handle)
+    rt.idle_thaw(handle)  # gone: nothing to do
+
+
+def test_checkpoint_of_an_idle_frozen_instance_runs_it_on(subject: Subject, tmp_path: Path) -> None:
+    rt = subject.runtime
+    handle = rt.create(subject.spec(), subject.slot())
+    wait_agent(handle)
+    wait_closed(handle)
+    rt.idle_freeze(handle)
+    rt.checkpoint(handle, tmp_path / "image", leave_running=True)
+    assert not rt.idle_frozen(handle) and rt.state(handle.name) == "running"
+    wait_agent(handle, timeout=20)
+    rt.destroy(handle)
+
+
 def test_checkpoint_then_restore_into_another_slot(subject: Subject, tmp_path: Path) -> None:
     rt = subject.runtime
     handle = rt.create(subject.spec(), subject.slot())

@@ -1,0 +1,246 @@
+"""The idle freezer: a sandbox nobody has called for `freeze_idle_after` seconds, and that does nothing itself, is
+frozen (its host cgroup: no CPU at all), and thawed transparently before anything reaches it (docs/design/idle.md).
+
+Every INTERVAL it looks at each running (and pooled) sandbox that is quiet: no call or proxied request through the
+AgentClient for `after` seconds, none in flight, no command holding its lock, not quiesced. For those it asks the
+agent (`GET /keepstate/idle`, a poll: not activity); if the agent says idle, and the journal poller has pulled
+every entry the agent holds, it closes the router's idle keep-alive connections into it, lets the closes settle,
+and then — synchronously, with no await in between, so no call can start meanwhile — checks again that nothing
+started, that the host holds no TCP connection to the sandbox in any state but TIME_WAIT or CLOSE (a connection
+closed while the sandbox is frozen leaves the host's FIN unacknowledged; killed frozen, the host retransmits it
+for minutes into the slot's address, which the slot's next sandbox inherits), and freezes it.
+
+The AgentClient calls `wake` before every call, proxied request and quiesce: a frozen sandbox is thawed there, a
+file write of well under a millisecond, on the event loop. Polls (journal, metrics, these looks) skip frozen
+sandboxes instead (`frozen`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from keepstate.runtime.base import Handle, RuntimeFailure
+from keepstate.session.journal import JournalBusy, JournalError
+
+from .agent_client import Quiesced
+from .instances import handle_of
+from .record import SandboxRow
+from .state import State
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("keepstate.sandbox.idle")
+
+INTERVAL = 1.0  # seconds between rounds; the agent compares looks at least a second apart
+SETTLE = 0.05  # after closing our keep-alive connections: the sandbox answers the FINs
+MAX_BACKOFF = 16.0  # a sandbox that keeps itself busy is looked at no more often than this
+CONCURRENCY = 8  # looks in flight at once
+DEFAULT_AFTER = 2.0
+_QUIET_TCP = {"06", "07"}  # TIME_WAIT, CLOSE
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def _hex_v4(address: str) -> str:
+    """An IPv4 address as /proc/net/tcp prints it (the 32-bit word in host byte order, hex)."""
+    return f"{struct.unpack('=I', socket.inet_aton(address))[0]:08X}"
+
+
+def open_tcp(address: str, tables: Iterable[str]) -> list[str]:
+    """The states (hex, as /proc/net/tcp writes them) of sockets whose remote address is `address`, other than
+    TIME_WAIT and CLOSE, in the text of /proc/net/tcp and tcp6 tables (v4-mapped v6 addresses included)."""
+    v4 = _hex_v4(address)
+    mapped = "0000000000000000FFFF0000" + v4
+    busy = []
+    for text in tables:
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 4:
+                continue
+            remote, state = fields[2].partition(":")[0].upper(), fields[3].upper()
+            if remote in (v4, mapped) and state not in _QUIET_TCP:
+                busy.append(state)
+    return busy
+
+
+def host_tcp_open(address: str) -> list[str]:
+    """open_tcp over this process's network namespace (the host's end of every sandbox's veth)."""
+    texts = []
+    for path in _TCP_TABLES:
+        try:
+            with open(path) as f:
+                texts.append(f.read())
+        except OSError:
+            pass
+    return open_tcp(address, texts)
+
+
+@dataclass
+class _Frozen:
+    handle: Handle
+    session_id: str
+
+
+@dataclass
+class _Looks:
+    due: float = 0.0  # monotonic time of the next look
+    backoff: float = 0.0
+    active: float = 0.0  # the activity mark the backoff was computed for
+
+
+class IdleFreezer:
+    def __init__(self, m: SandboxManager, after: float = DEFAULT_AFTER) -> None:
+        self.m = m
+        self.after = after
+        self.froze = 0  # freezes so far (tests, logs)
+        self._frozen: dict[str, _Frozen] = {}  # by sandbox ID
+        self._sessions: set[str] = set()  # session IDs of frozen sandboxes (the journal poller's keys)
+        self._looks: dict[str, _Looks] = {}
+        m.agents.waker = self.wake
+        m.agents.asleep = self.frozen
+        if m.recorder.poller is not None:
+            m.recorder.poller.asleep = self.frozen
+
+    @property
+    def enabled(self) -> bool:
+        return self.after > 0
+
+    def frozen(self, sandbox_or_session_id: str) -> bool:
+        return sandbox_or_session_id in self._frozen or sandbox_or_session_id in self._sessions
+
+    def frozen_ids(self) -> list[str]:
+        return sorted(self._frozen)
+
+    def wake(self, sandbox_id: str) -> None:
+        """Thaw the sandbox if we froze it (the AgentClient's waker: synchronous, before any connection)."""
+        entry = self._frozen.pop(sandbox_id, None)
+        if entry is None:
+            return
+        self._sessions.discard(entry.session_id)
+        self._looks.pop(sandbox_id, None)
+        try:
+            self.m.runtime.idle_thaw(entry.handle)
+        except Exception as exc:  # a sandbox gone meanwhile: the call that woke it will find out
+            log.warning("thaw of %s (%s) failed: %s", sandbox_id, entry.handle.name, exc)
+
+    def wake_all(self) -> None:
+        for sandbox_id in list(self._frozen):
+            self.wake(sandbox_id)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.round()
+            except Exception:
+                log.exception("idle freezer round failed")
+            await asyncio.sleep(INTERVAL)
+
+    def _candidates(self) -> list[tuple[SandboxRow, bool]]:
+        rows = [(r, False) for r in self.m.running()]
+        rows += [(r, True) for p in self.m.pools.values() for r in p.ready()]
+        return rows
+
+    async def round(self) -> None:
+        rows = self._candidates()
+        present = {r.sandbox_id: r for r, _ in rows}
+        for sandbox_id, entry in list(self._frozen.items()):
+            row = present.get(sandbox_id)
+            if row is None or row.runtime_name != entry.handle.name:
+                self.wake(sandbox_id)  # killed or replaced (its teardown thaws it too): forget it
+        for sandbox_id in set(self._looks) - set(present):
+            del self._looks[sandbox_id]
+        now = time.monotonic()
+        due = [(r, pooled) for r, pooled in rows if self._quiet(r, pooled, now) and self._due(r.sandbox_id, now)]
+        if due:
+            limit = asyncio.Semaphore(CONCURRENCY)
+            await asyncio.gather(*(self._consider(r, pooled, limit) for r, pooled in due))
+
+    def _due(self, sandbox_id: str, now: float) -> bool:
+        looks = self._looks.setdefault(sandbox_id, _Looks())
+        active = self.m.agents.last_active(sandbox_id)
+        if active != looks.active:  # it was used since: look again from the start
+            looks.due, looks.backoff, looks.active = 0.0, 0.0, active
+        return now >= looks.due
+
+    def _later(self, sandbox_id: str, seconds: float | None = None) -> None:
+        looks = self._looks.setdefault(sandbox_id, _Looks())
+        if seconds is None:
+            looks.backoff = min(max(looks.backoff * 2, INTERVAL), MAX_BACKOFF)
+            seconds = looks.backoff
+        looks.due = time.monotonic() + seconds
+
+    def _quiet(self, row: SandboxRow, pooled: bool, now: float) -> bool:
+        """Whether nothing runs into the sandbox now and nothing has for `after` seconds (synchronous)."""
+        sid, agents = row.sandbox_id, self.m.agents
+        if sid in self._frozen or not row.runtime_name or not row.address:
+            return False
+        if pooled:
+            if not any(r is row for p in self.m.pools.values() for r in p.ready()):
+                return False
+        elif self.m.records.get(sid) is not row or row.state != State.RUNNING:
+            return False
+        return (not self.m.command_running(sid) and not agents.quiesced(sid) and not agents.busy(sid)
+                and now - agents.last_active(sid) >= self.after)
+
+    async def _consider(self, row: SandboxRow, pooled: bool, limit: asyncio.Semaphore) -> None:
+        sid = row.sandbox_id
+        async with limit:
+            try:
+                answer = await self.m.agents.idle(sid, row.address, row.access_token)
+            except (Quiesced, RuntimeFailure, aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                log.debug("idle look at %s failed: %s", sid, exc)
+                self._later(sid)
+                return
+            if not answer.get("idle"):
+                self._later(sid, INTERVAL if answer.get("why") == "first look" else None)
+                return
+            if not pooled and not await self._journal_pulled(row, answer.get("last")):
+                self._later(sid, INTERVAL)
+                return
+            await self.m.agents.close_pool(sid)
+            await asyncio.sleep(SETTLE)
+        # From here to the freeze nothing awaits: no call can start in between.
+        if not self._quiet(row, pooled, time.monotonic()) or self.m.agents.has_pool(sid):
+            return
+        tcp = host_tcp_open(row.address)
+        if tcp:
+            log.debug("not freezing %s yet: the host holds TCP connections to it (states %s)", sid, tcp)
+            self._later(sid, INTERVAL)
+            return
+        handle = handle_of(row)
+        try:
+            self.m.runtime.idle_freeze(handle)
+        except RuntimeFailure as exc:
+            log.warning("freezing idle sandbox %s failed: %s", sid, exc)
+            self._later(sid)
+            return
+        self._frozen[sid] = _Frozen(handle, row.session_id)
+        if not pooled:
+            self._sessions.add(row.session_id)
+        self.froze += 1
+        log.debug("froze idle sandbox %s (%s)", sid, row.runtime_name)
+
+    async def _journal_pulled(self, row: SandboxRow, last: object) -> bool:
+        """Whether the journal poller holds every entry up to the agent's `last` (pulling now if not)."""
+        poller = self.m.recorder.poller
+        session = row.session_id
+        if poller is None or session not in poller.tracked() or not isinstance(last, int):
+            return True
+        if (poller.cursor(session) or 0) >= last:
+            return True
+        try:
+            await poller.pull_now(session)
+        except (JournalError, JournalBusy, KeyError, TimeoutError) as exc:
+            log.debug("journal pull of %s before a freeze failed: %s", session, exc)
+            return False
+        return (poller.cursor(session) or 0) >= last
