@@ -205,7 +205,18 @@ def prepare_for_start(link: Link) -> None:
 def destroy(link: Link) -> None:
     _run("ip", "link", "del", link.host_if, check=False)
     _run("ip", "netns", "del", link.netns, check=False)
+    forget_sockets(link)
     forget_connections(link)
+
+
+def forget_sockets(link: Link) -> None:
+    """Destroy the host's TCP sockets to the slot's sandbox address (`ss -K`, SOCK_DESTROY).
+
+    A connection the host closed while its sandbox was dying (a relay's keep-alive pool closed on kill) is left in
+    FIN_WAIT1, retransmitting its FIN into the slot's address for minutes; the next sandbox in the slot would get
+    those segments, and a checkpoint of it would count the socket as a connection open into it.
+    """
+    _run("ss", "-K", "-t", "dst", link.sandbox_ip, check=False)
 
 
 def exists(link: Link) -> bool:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -119,3 +121,25 @@ def test_a_bare_claim_is_held_while_its_claimer_lives(tmp_path: Path, monkeypatc
     assert not network.slot_held(9)
     network.record_slot_owner(9, str(tmp_path), "ks-nine")
     assert network.slot_held(9) and network.slot_owner(9) == "ks-nine"
+
+
+def test_a_slots_link_destroys_the_hosts_sockets_to_its_last_sandbox() -> None:
+    """A host socket left retransmitting into a slot's address (its sandbox gone mid-connection) is destroyed when
+    the slot's link is made again, so the next sandbox there inherits no connection."""
+    slot = next(n for n in range(network.MAX_SLOTS - 1, 1, -1) if network.claim_slot(n))
+    link = network.link_for(slot)
+    sock = socket.socket()
+    try:
+        network.create(link)
+        # Nothing answers in the namespace: the host's connect stays in SYN_SENT, retrying.
+        subprocess.run(["nsenter", f"--net={link.netns_path}", "iptables", "-w", "-A", "INPUT", "-p", "tcp", "-j",
+                        "DROP"], check=True, capture_output=True)
+        sock.setblocking(False)
+        assert sock.connect_ex((link.sandbox_ip, 49983)) == errno.EINPROGRESS
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0  # still trying
+        network.create(link)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNABORTED
+    finally:
+        sock.close()
+        network.destroy(link)
+        network.release_slot(slot)
