@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keepstate import pids
 from keepstate.gateway.usage import Usage
 
 SCHEMA_VERSION = 2
@@ -165,13 +166,7 @@ def owner_alive(owner: str, me: str) -> bool:
     pid = int(owner.split(":", 1)[0])
     if pid == os.getpid():  # same pid, other nonce: an earlier process that had our pid (e.g. pid 1 in a container)
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pids.alive(pid)
 
 
 class Store:

@@ -16,6 +16,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from keepstate import pids
+
 BASE = ipaddress.IPv4Network("10.88.0.0/16")
 # The last /30 is not a slot: its .254 is the metering gateway's fixed address, the same for every
 # sandbox (on the host's loopback), so a base URL in a sandbox stays valid across restores and forks.
@@ -131,15 +133,7 @@ def slot_held(slot: int) -> bool:
         return False
     except OSError:
         return True
-    if text.isdigit():
-        try:
-            os.kill(int(text), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return True
+    return not text.isdigit() or pids.alive(int(text))
 
 
 def release_slot(slot: int) -> None:

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from keepstate import pids
+
 SUFFIX = ".state"
 LOCK_WAIT = 5.0  # seconds to wait for a runsc command holding the lock (a checkpoint can hold it that long)
 TORN_RETRIES = 3
@@ -57,15 +59,7 @@ def _shared(lock: Path) -> Iterator[None]:
 
 
 def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return isinstance(pid, int) and pid > 0 and pids.alive(pid)
 
 
 def _status(doc: Any) -> str:

@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from keepstate import pids
 from keepstate.store.backend import Backend
 from keepstate.store.errors import ObjectNotFound, RepositoryLocked
 
@@ -34,21 +35,13 @@ class LockInfo:
         now = time.time() if now is None else now
         if now - self.created > STALE_AFTER:
             return True
-        return self.host == socket.gethostname() and not _process_exists(self.pid)
+        return self.host == socket.gethostname() and not pids.alive(self.pid)
 
     def describe(self) -> str:
         age = int(time.time() - self.created)
         return f"{self.kind} lock by pid {self.pid} on {self.host} ({self.purpose}, {age} s old)"
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_locks(backend: Backend) -> list[LockInfo]:
