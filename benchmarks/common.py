@@ -70,6 +70,19 @@ def free_port() -> int:
 KEEP_LOG = os.environ.get("KEEPSTATE_BENCH_SERVER_LOG")
 
 
+def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, every: float, timeout: float = 600) -> None:
+    """Until the server at `url` answers /health; RuntimeError naming its log if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with _OPENER.open(url + "/health", timeout=2):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start; see {log}") from None
+            time.sleep(every)
+
+
 @contextmanager
 def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> Iterator[Server]:
     home = Path(tempfile.mkdtemp(prefix="keepstate-bench-"))
@@ -82,15 +95,7 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
                             env=env, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with _OPENER.open(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start; see {home / 'server.log'}") from None
-                time.sleep(0.2)
+        wait_up(url, proc, home / "server.log", every=0.2)
         key = subprocess.check_output([str(KEEPSTATE), "keys", "create", "bench"], env=env,
                                       stderr=subprocess.DEVNULL).decode().strip()
         yield Server(url, key, home, proc)

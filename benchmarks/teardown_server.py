@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import _OPENER, KEEPSTATE, TEMPLATE_CACHE, Server, free_port  # noqa: E402
+from common import KEEPSTATE, TEMPLATE_CACHE, Server, free_port, wait_up  # noqa: E402
 
 from keepstate.testing import leftovers  # noqa: E402
 
@@ -36,15 +36,7 @@ def start(home: Path, port: int, log_name: str) -> Server:
                              "--warm", "", "--reap-on-exit", "--log-level", "warning"],
                             env=env, stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            with _OPENER.open(url + "/health", timeout=2):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start; see {home / log_name}") from None
-            time.sleep(0.1)
+    wait_up(url, proc, home / log_name, every=0.1)
     return Server(url, "", home, proc)
 
 
