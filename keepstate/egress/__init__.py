@@ -1,0 +1,1 @@
+"""A sandbox's way out: policy, firewall, resolver, egress proxy, CA (docs/design/network.md)."""
