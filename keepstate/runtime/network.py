@@ -2,8 +2,8 @@
 
 Each sandbox gets a slot N and with it a /30 of 10.88.0.0/16: the host end of the veth
 holds .1, the sandbox .2. Sandboxes cannot reach each other (separate links, no
-forwarding), the host's services (an INPUT filter admits only replies and the ports we
-open on purpose, such as the gateway), or 169.254.169.254 (no route, forwarding dropped).
+forwarding to 10.88.0.0/16), the host's services (an input filter admits only replies and the ports we
+open on purpose, such as the gateway), or 169.254.169.254 (always denied): egress/firewall.py.
 A TCP connection that is not allowed is refused with a reset rather than dropped (see
 install_firewall: a half-open connection would block checkpoints).
 """
@@ -23,7 +23,7 @@ BASE = ipaddress.IPv4Network("10.88.0.0/16")
 # sandbox (on the host's loopback), so a base URL in a sandbox stays valid across restores and forks.
 MAX_SLOTS = BASE.num_addresses // 4 - 1
 GATEWAY_IP = str(BASE.broadcast_address - 1)
-CHAIN = "KEEPSTATE-IN"
+CHAIN = "KEEPSTATE-IN"  # iptables chains of earlier releases, removed at start
 FWD_CHAIN = "KEEPSTATE-FWD"
 
 
@@ -224,29 +224,30 @@ def ensure_gateway_address() -> None:
 
 
 def install_firewall(open_ports: tuple[int, ...] = ()) -> None:
-    """Filter what sandboxes may send to the host, and forbid forwarding between them.
+    """Filter what sandboxes may send to the host, and forbid forwarding between them (egress/firewall.py: the
+    nftables table `inet keepstate`, whose `input` chain admits only replies, GATEWAY_IP and `open_ports`).
 
-    Rebuilt on every server start so a changed port list takes effect; rules are in
-    their own chains so we never touch anybody else's.
+    Rebuilt on every server start so a changed port list takes effect; a slot's egress is opened only when the
+    server attaches it. A TCP connection a sandbox may not make is refused at once (a reset), not dropped: dropped,
+    it would sit half-open in the sandbox (SYN-SENT, retried for about two minutes), and gVisor 20240729 cannot
+    checkpoint a TCP endpoint in the middle of a handshake (it panics in resetConnectionLocked), so every pause,
+    snapshot and fork of that sandbox would fail meanwhile. Refused, the attempt ends within a round trip.
     """
-    for chain in (CHAIN, FWD_CHAIN):
-        if _run("iptables", "-w", "-N", chain, check=False).returncode != 0:
-            _run("iptables", "-w", "-F", chain)
-    _run("iptables", "-w", "-A", CHAIN, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-    # Only metering gateways listen on GATEWAY_IP; one rule serves every server sharing this host
-    # (a per-port rule would be lost when the next server rebuilds the chain).
-    _run("iptables", "-w", "-A", CHAIN, "-d", GATEWAY_IP, "-p", "tcp", "-j", "ACCEPT")
-    for port in open_ports:
-        _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT")
-    # A TCP connection a sandbox may not make is refused at once (a reset), not dropped: dropped, it would sit
-    # half-open in the sandbox (SYN-SENT, retried for about two minutes), and gVisor 20240729 cannot checkpoint a
-    # TCP endpoint in the middle of a handshake (it panics in resetConnectionLocked), so every pause, snapshot
-    # and fork of that sandbox would fail meanwhile. Refused, the attempt ends within a round trip.
-    _run("iptables", "-w", "-A", CHAIN, "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
-    _run("iptables", "-w", "-A", CHAIN, "-j", "DROP")
-    _run("iptables", "-w", "-A", FWD_CHAIN, "-i", "ksv+", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
-    _run("iptables", "-w", "-A", FWD_CHAIN, "-j", "DROP")
+    from keepstate.egress import firewall
+
+    if not firewall.available():
+        raise OSError("nft not found: install nftables (scripts/setup-host.sh does)")
+    remove_iptables_chains()
+    firewall.ensure_base(open_ports)
+
+
+def remove_iptables_chains() -> None:
+    """The iptables chains of releases before nftables: their FORWARD rule would reject every sandbox's egress."""
+    if shutil.which("iptables") is None:
+        return
     for parent, chain, flag in (("INPUT", CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-o")):
-        rule = [parent, flag, "ksv+", "-j", chain]
-        if _run("iptables", "-w", "-C", *rule, check=False).returncode != 0:
-            _run("iptables", "-w", "-I", *rule)
+        while _run("iptables", "-w", "-D", parent, flag, "ksv+", "-j", chain, check=False).returncode == 0:
+            pass
+    for chain in (CHAIN, FWD_CHAIN):
+        if _run("iptables", "-w", "-F", chain, check=False).returncode == 0:
+            _run("iptables", "-w", "-X", chain, check=False)

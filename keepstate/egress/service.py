@@ -1,0 +1,302 @@
+"""`Egress`: a server's way out for its sandboxes, owning the firewall's slots, the resolver and the egress proxy.
+
+The manager attaches a sandbox's slot (with its policy) before its instance runs or restores, updates it on
+`PUT /sandboxes/{id}/network`, and detaches it when the instance stops; a slot nobody attached sends nothing
+(firewall.render_base). With `serve --egress off` nothing is attached, and nothing leaves, as before egress existed.
+Without a datapath (the fake runtime) policies are only remembered, so the API behaves the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import ipaddress
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keepstate.runtime import network
+from keepstate.runtime.network import GATEWAY_IP, Link, link_for
+
+from . import firewall
+from .ca import CA
+from .policy import Net, Policy
+from .resolver import Resolver, parse_upstream, system_upstreams
+
+log = logging.getLogger("keepstate.egress")
+HOSTS_EVERY = 2.0  # seconds between looks at the connection table for hosts not seen before
+CA_DIR = "/etc/keepstate"
+
+
+@dataclass(frozen=True)
+class EgressConfig:
+    enabled: bool = True
+    dns_upstreams: tuple[str, ...] = ()  # IP[:PORT]; none: the host's /etc/resolv.conf
+    ca_bundle: Path | None = None  # more CAs sandboxes and the proxy trust (a test CA, a corporate one)
+    allow_private: tuple[str, ...] = ()  # CIDRs exempted from the always-denied ranges
+    max_connections: int = 1024
+    rate_mbit: float = 0.0
+
+    def private_nets(self) -> list[Net]:
+        return [ipaddress.ip_network(c, strict=False) for c in self.allow_private]
+
+
+@dataclass
+class Attached:
+    sandbox_id: str
+    link: Link
+    policy: Policy
+    hosts: set[str] = field(default_factory=set)  # hosts (names, else addresses) it has connected to
+
+
+class Egress:
+    def __init__(self, home: Path, config: EgressConfig | None = None, datapath: bool = True,
+                 secret_value: Callable[[str], str | None] | None = None,
+                 on_host: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.home = home
+        self.config = config or EgressConfig()
+        self.datapath = datapath and self.config.enabled
+        self.secret_value = secret_value or (lambda name: None)
+        self.on_host = on_host or (lambda sandbox_id, data: None)  # (sandbox ID, {"host", "address", "port"})
+        self.ca = CA.load_or_create(home / "tls", "egress")
+        self.resolver = Resolver(self.policy_for, self._upstreams())
+        self.proxy: Any = None
+        self.proxy_port: int | None = None
+        self._slots: dict[int, Attached] = {}
+        self._by_ip: dict[str, int] = {}
+        self._policies: dict[str, Policy] = {}  # by sandbox: remembered when there is no datapath too
+        self._totals: dict[str, list[int]] = {}  # sandbox -> [out, in] of slots it left, and of the proxy
+        self._task: asyncio.Task[None] | None = None
+        self._nets = self.config.private_nets()
+
+    def _upstreams(self) -> list[tuple[str, int]]:
+        if self.config.dns_upstreams:
+            return [parse_upstream(u) for u in self.config.dns_upstreams]
+        return system_upstreams()
+
+    # -- start and stop -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """After runtime.prepare (the base chains exist) and before adoption (which re-attaches live sandboxes)."""
+        if not self.datapath:
+            return
+        await asyncio.to_thread(network.ensure_gateway_address)
+        await asyncio.to_thread(firewall.set_ip_forward)
+        await self.resolver.start(GATEWAY_IP)
+        await self._start_proxy()
+        self._task = asyncio.get_running_loop().create_task(self._watch_hosts(), name="egress-hosts")
+        log.info("egress: resolver on %s:%d (upstreams %s), proxy %s", GATEWAY_IP, self.resolver.port,
+                 ", ".join(f"{h}:{p}" for h, p in self.resolver.upstreams) or "none",
+                 f"on {GATEWAY_IP}:{self.proxy_port}" if self.proxy_port else "absent")
+
+    async def _start_proxy(self) -> None:
+        try:
+            module = importlib.import_module("keepstate.egress.proxy")
+        except ImportError:
+            return  # a release without the proxy: domain rules fail closed (firewall.render_slot)
+        trust = ssl.create_default_context()
+        if self.config.ca_bundle is not None:
+            trust.load_verify_locations(cafile=str(self.config.ca_bundle))
+        self.proxy = module.Proxy(lookup=self.policy_for, secret_value=self.secret_value, ca=self.ca,
+                                  upstream_trust=trust, guard=self.always_denied, on_bytes=self._proxy_bytes,
+                                  on_host=self._proxy_host)
+        for _ in range(20):  # the proxy takes a port, not 0: a free one, asked for just before
+            with socket.socket() as probe:
+                probe.bind((GATEWAY_IP, 0))
+                chosen = probe.getsockname()[1]
+            try:
+                await self.proxy.start(GATEWAY_IP, chosen)
+            except OSError:
+                continue
+            self.proxy_port = chosen
+            return
+        raise OSError(f"no free port on {GATEWAY_IP} for the egress proxy")
+
+    async def stop(self) -> None:
+        """Stop the resolver and the proxy; the slots stay attached for the next server to re-attach."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.proxy is not None:
+            with contextlib.suppress(Exception):
+                await self.proxy.stop()
+        await self.resolver.stop()
+
+    # -- slots ----------------------------------------------------------------------------------------------------
+    def ports(self) -> firewall.Ports:
+        return firewall.Ports(dns=self.resolver.port, proxy=self.proxy_port)
+
+    def limits(self) -> firewall.Limits:
+        return firewall.Limits(self.config.max_connections, self.config.rate_mbit)
+
+    def attach(self, slot: int, sandbox_id: str, policy: Policy) -> None:
+        """Open the slot's egress for a sandbox (blocking: call it in a thread)."""
+        self._policies[sandbox_id] = policy
+        if not self.datapath or slot < 0:
+            return
+        old = self._slots.get(slot)
+        if old is not None and old.sandbox_id != sandbox_id:
+            self._leave(slot)
+        link = link_for(slot)
+        firewall.apply(slot, link, policy, self.ports(), self.limits(), self._nets)
+        self._slots[slot] = Attached(sandbox_id, link, policy)
+        self._by_ip[link.sandbox_ip] = slot
+
+    def update(self, slot: int, sandbox_id: str, policy: Policy) -> None:
+        """Replace a running sandbox's policy at once; connections the new one may deny are cut."""
+        old = self._policies.get(sandbox_id)
+        self._policies[sandbox_id] = policy
+        if not self.datapath or slot < 0:
+            return
+        link = link_for(slot)
+        firewall.apply(slot, link, policy, self.ports(), self.limits(), self._nets)
+        attached = self._slots.get(slot)
+        if attached is not None and attached.sandbox_id == sandbox_id:
+            attached.policy = policy
+        else:
+            self._slots[slot] = Attached(sandbox_id, link, policy)
+            self._by_ip[link.sandbox_ip] = slot
+        if old is None or _may_deny_more(old, policy):
+            firewall.cut_connections(link)
+
+    def detach(self, slot: int, sandbox_id: str | None = None) -> None:
+        """Close the slot's egress (the instance stops); its byte counts stay with the sandbox."""
+        if not self.datapath or slot < 0:
+            return
+        attached = self._slots.get(slot)
+        if sandbox_id is not None and attached is not None and attached.sandbox_id != sandbox_id:
+            return  # the slot is another sandbox's by now
+        self._leave(slot)
+        firewall.detach(slot, link_for(slot))
+
+    def _leave(self, slot: int) -> None:
+        attached = self._slots.pop(slot, None)
+        if attached is None:
+            return
+        self._by_ip.pop(attached.link.sandbox_ip, None)
+        self.resolver.memory.forget(attached.link.sandbox_ip)
+        out, inn = firewall.counters().get(slot, (0, 0))
+        total = self._totals.setdefault(attached.sandbox_id, [0, 0])
+        total[0] += out
+        total[1] += inn
+
+    def forget(self, sandbox_id: str) -> None:
+        """A sandbox killed: nothing of it is kept."""
+        self._policies.pop(sandbox_id, None)
+        self._totals.pop(sandbox_id, None)
+
+    # -- questions ------------------------------------------------------------------------------------------------
+    def policy_for(self, source_ip: str) -> Policy | None:
+        """The policy of the sandbox at `source_ip` (None: no attached sandbox there: refuse it)."""
+        slot = self._by_ip.get(source_ip)
+        return self._slots[slot].policy if slot is not None else None
+
+    def policy_of(self, sandbox_id: str) -> Policy | None:
+        return self._policies.get(sandbox_id)
+
+    def always_denied(self, ip: str) -> bool:
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return True
+        if addr.version == 6:
+            return True
+        return any(addr in n for n in firewall.denied_nets(self._nets))
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """sandbox ID -> (bytes out, bytes in) so far: its attached slot's kernel counters, plus the slots it left
+        and what the proxy counted."""
+        live = firewall.counters() if self.datapath and self._slots else {}
+        out: dict[str, tuple[int, int]] = {sid: (t[0], t[1]) for sid, t in self._totals.items()}
+        for slot, a in self._slots.items():
+            tx, rx = live.get(slot, (0, 0))
+            base = out.get(a.sandbox_id, (0, 0))
+            out[a.sandbox_id] = (base[0] + tx, base[1] + rx)
+        return out
+
+    def init_body(self) -> dict[str, str]:
+        """The `network` object of the agent's /init: its resolver, and the CAs it must trust."""
+        bundle = self.ca.cert_pem.decode()
+        if self.config.ca_bundle is not None:
+            with contextlib.suppress(OSError):
+                extra = self.config.ca_bundle.read_text()
+                bundle = bundle.rstrip("\n") + "\n" + extra.strip("\n") + "\n"
+        return {"resolvConf": f"nameserver {GATEWAY_IP}\noptions timeout:2 attempts:2\n", "caBundle": bundle}
+
+    # -- accounting -----------------------------------------------------------------------------------------------
+    def _sandbox_at(self, source_ip: str) -> Attached | None:
+        slot = self._by_ip.get(source_ip)
+        return self._slots.get(slot) if slot is not None else None
+
+    def _proxy_bytes(self, source_ip: str, up: int, down: int) -> None:
+        a = self._sandbox_at(source_ip)
+        if a is not None:
+            total = self._totals.setdefault(a.sandbox_id, [0, 0])
+            total[0] += up
+            total[1] += down
+
+    def _proxy_host(self, source_ip: str, host: str) -> None:
+        self._seen(source_ip, host, "", 0)
+
+    def _seen(self, source_ip: str, host: str, address: str, port: int) -> None:
+        a = self._sandbox_at(source_ip)
+        if a is None or host in a.hosts:
+            return
+        a.hosts.add(host)
+        data: dict[str, Any] = {"host": host}
+        if address:
+            data["address"] = address
+        if port:
+            data["port"] = port
+        try:
+            self.on_host(a.sandbox_id, data)
+        except Exception as exc:  # the history is best effort here: never break egress over it
+            log.warning("egress.host event for %s: %s", a.sandbox_id, exc)
+
+    async def _watch_hosts(self) -> None:
+        """Name the hosts sandboxes connect to, from the connection table (the resolver names the address)."""
+        if shutil.which("conntrack") is None:
+            return
+        while True:
+            await asyncio.sleep(HOSTS_EVERY)
+            if not self._slots:
+                continue
+            try:
+                entries = await asyncio.to_thread(_connections)
+            except Exception as exc:
+                log.debug("conntrack: %s", exc)
+                continue
+            for src, dst, port in entries:
+                if dst == GATEWAY_IP or self._sandbox_at(src) is None:
+                    continue
+                names = self.resolver.memory.names_for(src, dst)
+                self._seen(src, names[0] if names else dst, dst, port)
+
+
+def _connections() -> list[tuple[str, str, int]]:
+    """(sandbox address, destination, port) of every connection sandboxes opened, as the kernel tracks them."""
+    proc = subprocess.run(["conntrack", "-L", "--orig-src", str(network.BASE)], capture_output=True, text=True)
+    out = []
+    for line in proc.stdout.splitlines():
+        first: dict[str, str] = {}  # the first src=, dst=, dport= of a line are the original direction's
+        for kv in line.split():
+            k, _, v = kv.partition("=")
+            if v and k not in first:
+                first[k] = v
+        if first.get("src") and first.get("dst"):
+            out.append((first["src"], first["dst"], int(first.get("dport", "0") or 0)))
+    return out
+
+
+def _may_deny_more(old: Policy, new: Policy) -> bool:
+    """Whether a connection the old policy allowed may be denied by the new one (then the slot's are cut)."""
+    if old == new:
+        return False
+    return new.denies_all or bool(new.deny_nets) or new.needs_proxy
