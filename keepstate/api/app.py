@@ -19,6 +19,7 @@ from aiohttp import web
 
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
+from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime import network
@@ -64,6 +65,8 @@ class ServerConfig:
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
     boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
+    egress: EgressConfig = field(default_factory=EgressConfig)  # sandboxes' way out (docs/design/network.md)
+    secret_exists: Callable[[str], bool] | None = None  # the secrets store's; None: no secret exists
 
 
 def _envd_version() -> str:
@@ -158,7 +161,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
-                             boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after)
+                             boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after,
+                             egress=Egress(config.home, config.egress, datapath=config.runtime != "fake"),
+                             secret_exists=config.secret_exists)
     router = Router(manager)
     keys = KeyCache(catalog)
 

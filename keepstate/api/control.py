@@ -155,6 +155,13 @@ async def set_timeout(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+@routes.put("/sandboxes/{sandbox_id}/network")
+async def update_network(request: web.Request) -> web.Response:
+    """Replace a running sandbox's egress policy at once (E2B's update_network); a bad body changes nothing."""
+    await manager(request).update_network(sid(request), await json_body(request))
+    return web.Response(status=204)
+
+
 @routes.get("/v2/sandboxes")
 async def list_v2(request: web.Request) -> web.Response:
     rows = manager(request).listed()

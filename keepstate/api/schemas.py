@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, overload
 from urllib.parse import unquote
 
+from keepstate.egress import policy
 from keepstate.errors import BadRequest
 from keepstate.mountpoints import VOLUME_SLOTS
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
@@ -155,6 +156,7 @@ def parse_create(body: Any) -> CreateRequest:
     aia = body.get("allow_internet_access")
     if aia is not None and not isinstance(aia, bool):
         raise BadRequest("`allow_internet_access` must be a boolean")
+    network = policy.parse(body.get("network"), allow_internet_access=aia)
     cpu = body.get("cpuCount")
     mem = body.get("memoryMB")
     # A cgroup's CPU quota is at least 1 ms per 100 ms period: 0.01 CPUs.
@@ -180,6 +182,7 @@ def parse_create(body: Any) -> CreateRequest:
         env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem, disk_mb=disk,
         auto_pause_memory=pause_memory, allow_internet_access=aia, gateway=gateway,
         volume_mounts=parse_volume_mounts(body.get("volumeMounts")),
+        network=network if (body.get("network") is not None or aia is not None) else None,
     )
 
 
@@ -379,6 +382,7 @@ def detail(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     out.update({
         "envdAccessToken": row.access_token, "domain": None,
         "allowInternetAccess": row.settings.allow_internet_access,
+        "network": row.settings.policy.to_wire(),
         "lifecycle": {"autoResume": False, "onTimeout": "pause" if row.settings.auto_pause else "kill"},
     })
     return out

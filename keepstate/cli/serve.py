@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,6 +13,10 @@ from keepstate.config import DEFAULT_DISK_MB, MAX_SANDBOXES_PER_KEY, START_WAIT_
 from keepstate.ports import API_PORT, GATEWAY_PORT
 
 from .common import Command, home_option
+from .egress_options import egress_options
+
+if TYPE_CHECKING:
+    from keepstate.egress.service import EgressConfig
 
 
 @click.command(cls=Command)
@@ -74,13 +79,14 @@ from .common import Command, home_option
                    "isolation and no command execution, for tests of the API and lifecycle only.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@egress_options
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
           disk_mb: int, volume_size_mb: int,
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, reap_on_exit: bool,
-          runtime_kind: str, log_level: str) -> None:
+          runtime_kind: str, log_level: str, egress: EgressConfig) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -112,7 +118,8 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           volume_backend=volume_backend, boot_images=boot_images,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
-                                                    max_sandboxes_per_key=max_sandboxes_per_key))
+                                                    max_sandboxes_per_key=max_sandboxes_per_key),
+                          egress=egress)
     try:
         import uvloop
 

@@ -221,8 +221,11 @@ class Egress:
             out[a.sandbox_id] = (base[0] + tx, base[1] + rx)
         return out
 
-    def init_body(self) -> dict[str, str]:
-        """The `network` object of the agent's /init: its resolver, and the CAs it must trust."""
+    def init_body(self) -> dict[str, str] | None:
+        """The `network` object of the agent's /init: its resolver, and the CAs it must trust (None without egress:
+        the sandbox keeps its template's settings)."""
+        if not self.datapath:
+            return None
         bundle = self.ca.cert_pem.decode()
         if self.config.ca_bundle is not None:
             with contextlib.suppress(OSError):

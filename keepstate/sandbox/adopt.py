@@ -81,6 +81,10 @@ async def adopt(m: SandboxManager) -> None:
             m.catalog.put_sandbox(row)
             if row.state == State.RUNNING:
                 m.records[row.sandbox_id] = row
+                try:  # this server's resolver and proxy listen on new ports: the slot's rules name them anew
+                    await m.instances.attach(row)
+                except OSError as exc:
+                    log.error("sandbox %s: its egress cannot be re-attached: %s", row.sandbox_id, exc)
             else:
                 built = await asyncio.to_thread(m.templates.latest, row.template_id)
                 if built is not None:

@@ -146,6 +146,7 @@ class Checkpoints:
             state = await asyncio.to_thread(self.runtime.state, standby.name)
             if state != "paused":
                 raise RuntimeFailure(f"its instance is {state}, not frozen")
+            await self.instances.open_egress(standby.slot, row.sandbox_id, row.settings.policy)
             await asyncio.to_thread(self.runtime.thaw, Handle(standby.name, standby.slot))
             await self.agents.wait_ready(row.sandbox_id, standby.address, RESTORED_AGENT_TIMEOUT)
         except (TimeoutError, RuntimeFailure, KeepStateError, OSError) as exc:
@@ -189,16 +190,18 @@ class Checkpoints:
         """The new instance of a resume from the store, its agent initialised (a cold boot with its files)."""
         checkpoint_id = row.settings.checkpoint_id
         started = time.monotonic()
+        network = (row.sandbox_id, row.settings.policy)
         if memory:
-            handle, slot = await self.instances.restore(image, built, limits, mounts)
+            handle, slot = await self.instances.restore(image, built, limits, mounts, network)
         elif claimed is not None:
             # Its pool record goes now: a server killed from here on reaps the instance as unknown, never
             # hands it out again with these files in it.
             self.instances.catalog.delete_sandbox(claimed.sandbox_id)
             handle = Handle(claimed.runtime_name, claimed.slot, Endpoint(claimed.address))
             slot = claimed.slot
+            await self.instances.open_egress(slot, *network)
         else:
-            handle, slot = await self.instances.boot(built, limits, mounts)
+            handle, slot = await self.instances.boot(built, limits, mounts, network)
         assert handle.endpoint is not None
         fresh = replace(row, runtime_name=handle.name, slot=slot, address=handle.endpoint.address)
         try:
@@ -256,12 +259,14 @@ class Checkpoints:
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
                          api_key_id: str | None) -> SandboxRow:
-        # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data).
+        # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data), and starts with
+        # its parent's network policy.
+        child_id = new_sandbox_id()
         handle, slot = await self.instances.restore(image, built, row_limits(parent),
-                                                    self.instances.mounts(parent.settings.volume_mounts))
+                                                    self.instances.mounts(parent.settings.volume_mounts),
+                                                    (child_id, parent.settings.policy))
         assert handle.endpoint is not None
         now = time.time()
-        child_id = new_sandbox_id()
         settings = replace(parent.settings, session_id=child_id, checkpoint_id=manifest.checkpoint_id,
                            forked_from=parent.sandbox_id, standby=None, retired=None)
         row = SandboxRow(sandbox_id=child_id, state=State.RUNNING, template_id=parent.template_id,

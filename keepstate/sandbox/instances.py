@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from keepstate.db.catalog import Catalog
+from keepstate.egress.policy import Policy
+from keepstate.egress.service import Egress
 from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
 from keepstate.template.builder import Built
 from keepstate.volume import Volumes
@@ -47,8 +49,9 @@ def new_runtime_name() -> str:
 class Instances:
     def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
                  templates: Templates, starts: StartQueue, volumes: Volumes | None = None,
-                 boot_images: BootImages | None = None) -> None:
+                 boot_images: BootImages | None = None, egress: Egress | None = None) -> None:
         self.catalog = catalog
+        self.egress = egress
         self.starts = starts  # every start holds one of its slots: here (start), or its caller (boot, restore)
         self.boot_images = boot_images
         self.volumes = volumes
@@ -106,6 +109,7 @@ class Instances:
         self.catalog.put_sandbox(row)
         self.slots.bind(slot, spec.name)
         try:
+            await self.close_egress(slot)  # a pooled sandbox sends nothing until a create claims it
             if image is None:
                 handle = await asyncio.to_thread(self.runtime.create, spec, slot)
             else:
@@ -121,24 +125,31 @@ class Instances:
             raise
         return row
 
-    async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
+    async def boot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = (),
+                   network: tuple[str, Policy] | None = None) -> tuple[Handle, int]:
         """A new instance of a template build, cold (a filesystem-only resume), its slot bound to it; the caller
-        holds a start slot, waits for its agent and gives it its /init."""
-        return await self._on_new_slot(built, limits, mounts, self.runtime.create)
+        holds a start slot, waits for its agent and gives it its /init. `network`: (sandbox ID, policy) whose
+        egress the slot gets before the instance runs."""
+        return await self._on_new_slot(built, limits, mounts, self.runtime.create, network)
 
-    async def restore(self, image: Path, built: Built, limits: Limits,
-                      mounts: tuple[Mount, ...] = ()) -> tuple[Handle, int]:
+    async def restore(self, image: Path, built: Built, limits: Limits, mounts: tuple[Mount, ...] = (),
+                      network: tuple[str, Policy] | None = None) -> tuple[Handle, int]:
         """A new instance from a materialised image (which stays: forks share one); its slot bound to it. `mounts`
         must be those the checkpointed instance had (its volumes). The caller holds a start slot."""
         return await self._on_new_slot(built, limits, mounts,
-                                       lambda spec, slot: self.runtime.restore(spec, image, slot))
+                                       lambda spec, slot: self.runtime.restore(spec, image, slot), network)
 
     async def _on_new_slot(self, built: Built, limits: Limits, mounts: tuple[Mount, ...],
-                           start: Callable[[SandboxSpec, int], Handle]) -> tuple[Handle, int]:
+                           start: Callable[[SandboxSpec, int], Handle],
+                           network: tuple[str, Policy] | None = None) -> tuple[Handle, int]:
         slot = self.slots.alloc()
         spec = self.spec(built, limits, mounts=mounts)
         try:
             self.slots.bind(slot, spec.name)
+            if network is None:
+                await self.close_egress(slot)
+            else:  # before it runs: a restored sandbox's first packets already meet its policy
+                await self.open_egress(slot, *network)
             handle = await asyncio.to_thread(start, spec, slot)
         except BaseException:
             self.teardowns.later(spec.name, slot)  # whatever the failed start left; the slot is released then
@@ -161,6 +172,20 @@ class Instances:
                                              f"{SERVICE_READY_TIMEOUT:.0f}s") from None
                     await asyncio.sleep(0.1)
 
+    # -- egress (egress/service.py) ------------------------------------------------------------------------------
+    async def open_egress(self, slot: int, sandbox_id: str, policy: Policy) -> None:
+        if self.egress is not None:
+            await asyncio.to_thread(self.egress.attach, slot, sandbox_id, policy)
+
+    async def attach(self, row: SandboxRow) -> None:
+        """Give the row's slot its sandbox's policy (a claimed warm sandbox, a thawed standby, an adopted one)."""
+        await self.open_egress(row.slot, row.sandbox_id, row.settings.policy)
+
+    async def close_egress(self, slot: int) -> None:
+        """A slot freshly ours: whatever an earlier owner (a dead server's sandbox) left on it goes."""
+        if self.egress is not None:
+            await asyncio.to_thread(self.egress.detach, slot)
+
     async def init_agent(self, row: SandboxRow, env: dict[str, str], previous_token: str | None = None,
                          fork: bool = False) -> None:
         s = row.settings
@@ -169,6 +194,9 @@ class Instances:
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "sandboxId": row.sandbox_id, "sessionId": row.session_id,
         }
+        network = self.egress.init_body() if self.egress is not None else None
+        if network is not None:
+            body["network"] = network
         if fork:
             body["fork"] = {"parent": s.forked_from, "checkpointId": s.checkpoint_id}
         await self.agents.init(row.sandbox_id, row.address, body, previous_token)
@@ -189,6 +217,11 @@ class Instances:
         slot = row.slot
         if slot >= 0 and not self.slots.ours(slot, row.runtime_name):
             slot = -1
+        if slot >= 0 and self.egress is not None:
+            try:
+                self.egress.detach(slot, row.sandbox_id)
+            except OSError as exc:  # the next owner of the slot closes it anew (close_egress)
+                log.warning("closing the egress of slot %d: %s", slot, exc)
         if row.runtime_name:
             self.teardowns.later(row.runtime_name, slot)
         if not keep_row:

@@ -58,6 +58,11 @@ async def metrics_loop(m: SandboxManager) -> None:
         for gone in set(last) - {r.sandbox_id for r in m.running()}:
             last.pop(gone, None)
             disks.pop(gone, None)
+        try:
+            net = await asyncio.to_thread(m.egress.counters)  # every sandbox's bytes, in one call
+        except Exception as exc:
+            log.debug("egress counters: %s", exc)
+            net = {}
         for row in m.running():
             if row.state != State.RUNNING or m.agents.quiesced(row.sandbox_id):
                 continue  # being checkpointed
@@ -70,6 +75,7 @@ async def metrics_loop(m: SandboxManager) -> None:
                 if not m.lock(row.sandbox_id).locked():  # a command holds it: it will know
                     await m.died(row.sandbox_id, row.runtime_name)
             elif sample:
+                sample["networkTxBytes"], sample["networkRxBytes"] = net.get(row.sandbox_id, (0, 0))
                 m.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
         await asyncio.sleep(METRIC_INTERVAL)
 

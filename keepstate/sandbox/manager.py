@@ -20,12 +20,14 @@ import secrets
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
+from keepstate.egress.policy import Policy
+from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import BadRequest, NotFound, Refused, Unavailable, Unsupported
 from keepstate.runtime.base import Limits, Runtime
 from keepstate.session import SessionRecorder
@@ -78,6 +80,7 @@ class CreateRequest:
     allow_internet_access: bool | None = None
     gateway: bool = True  # our extension: false keeps the metering gateway's variables out
     volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
+    network: Policy | None = None  # its egress policy (None: none asked for; a snapshot's sandbox keeps its own)
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
@@ -96,7 +99,8 @@ class SandboxManager:
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
-                 freeze_idle_after: float = DEFAULT_AFTER) -> None:
+                 freeze_idle_after: float = DEFAULT_AFTER, egress: Egress | None = None,
+                 secret_exists: Callable[[str], bool] | None = None) -> None:
         self.catalog = catalog
         self.runtime = runtime
         self.templates = templates
@@ -108,10 +112,14 @@ class SandboxManager:
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
         self.volumes = volumes
+        # Without one (tests of the manager alone): policies are remembered, nothing leaves.
+        self.egress = egress or Egress(catalog.path.parent, EgressConfig(enabled=False), datapath=False)
+        self.egress.on_host = self._egress_host
+        self.secret_exists = secret_exists or (lambda name: False)  # the secrets store's, when the server has one
         admission = admission or AdmissionConfig()
         self.instances = Instances(catalog, runtime, self.slots, self.agents, templates,
                                    admission.start_queue_for(), volumes,
-                                   BootImages(catalog.path.parent, runtime, boot_images))
+                                   BootImages(catalog.path.parent, runtime, boot_images), self.egress)
         self.places = Places(admission.host_limit(runtime.slots.max_slots - 1), admission.max_sandboxes_per_key,
                              self._on_host, self._running_of, self._key_limit)
         self.gateway = GatewayRuns(gateway, gateway_url)
@@ -133,6 +141,7 @@ class SandboxManager:
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
         await self.agents.start()
         await asyncio.to_thread(self.runtime.prepare, open_ports)
+        await self.egress.start()  # before adoption, which re-attaches live sandboxes to this resolver and proxy
         await adopt.adopt(self)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(loops.expire_loop(self), name="expire"))
@@ -168,6 +177,7 @@ class SandboxManager:
             self.records.clear()
         await self.instances.drain()
         await self.instances.teardowns.stop()
+        await self.egress.stop()
         await self.agents.close()
 
     def pool(self, built: Built) -> Pool:
@@ -297,7 +307,16 @@ class SandboxManager:
         return [r.sandbox_id for r in self.records.values()
                 if listed(r.state) and any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
 
+    def check_secrets(self, policy: Policy) -> None:
+        """A policy may name only secrets that exist (a 400 otherwise: nothing is created or changed)."""
+        missing = sorted(n for n in policy.secret_names() if not self.secret_exists(n))
+        if missing:
+            raise BadRequest(f"`network.rules` names secret(s) that do not exist: {', '.join(missing)} "
+                             f"(create them with POST /secrets first)")
+
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
+        if req.network is not None:
+            self.check_secrets(req.network)
         if not req.volume_mounts or self.find_snapshot(req.template_id) is not None:
             return await self._create(req, api_key_id, [])
         if self.volumes is None:
@@ -339,9 +358,11 @@ class SandboxManager:
                                     env_vars=dict(req.env_vars), template_env=dict(d.env), auto_pause=req.auto_pause,
                                     auto_pause_memory=req.auto_pause_memory,
                                     allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts)
+                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
+                                    network=(req.network or Policy()).to_json())
             row.state = State.RUNNING
             try:
+                await self.instances.attach(row)
                 env = self.gateway.env(row)
                 if not ready_token or env != dict(d.env):
                     # Something the pool could not know: this request's env vars, or its gateway token.
@@ -382,6 +403,9 @@ class SandboxManager:
         settings.metadata = dict(req.metadata)
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
+        if req.network is not None:
+            settings.network = req.network.to_json()
+            settings.allow_internet_access = req.allow_internet_access
         theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
         if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
             raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "
@@ -399,6 +423,24 @@ class SandboxManager:
         return result.row
 
     # -- commands on one sandbox --------------------------------------------------------------------------------
+    async def update_network(self, sandbox_id: str, body: Any) -> None:
+        """`PUT /sandboxes/{id}/network`: the egress policy replaced whole, applied at once."""
+        async with self._command(sandbox_id, Command.NETWORK_UPDATE) as row:
+            policy = row.settings.policy.updated(body)  # BadRequest: nothing changed
+            self.check_secrets(policy)
+            await asyncio.to_thread(self.egress.update, row.slot, row.sandbox_id, policy)
+            row.settings.network = policy.to_json()
+            if isinstance(body, dict) and ("allow_internet_access" in body or "allowInternetAccess" in body):
+                row.settings.allow_internet_access = policy.allow_internet_access
+            self.catalog.put_sandbox(row)
+            self.recorder.record(row.session_id, "sandbox.network.update", {"network": policy.to_wire()})
+
+    def _egress_host(self, sandbox_id: str, data: dict[str, Any]) -> None:
+        """The first connection of a sandbox to a host: a history event."""
+        row = self.records.get(sandbox_id)
+        if row is not None:
+            self.recorder.record(row.session_id, "egress.host", data)
+
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._command(sandbox_id, Command.SET_TIMEOUT) as row:
             row.end_at = time.time() + max(0, seconds)
@@ -514,6 +556,7 @@ class SandboxManager:
             self._set(row, State.RUNNING)
             raise
         instance = row.instance()
+        await asyncio.to_thread(self.egress.detach, row.slot, row.sandbox_id)  # a paused sandbox sends nothing
         row.settings.checkpoint_id = manifest.checkpoint_id
         row.settings.files_only = not memory
         if memory and self.standbys.enabled:
@@ -638,6 +681,7 @@ class SandboxManager:
         self.recorder.killed(row.session_id, reason)
         self.gateway.end(row)
         self.metrics.pop(row.sandbox_id, None)
+        self.egress.forget(row.sandbox_id)
         self.instances.in_background(self.instances.reap(row.copy()))
 
     async def _kill_paused(self, row: SandboxRow) -> None:
@@ -648,6 +692,7 @@ class SandboxManager:
                                                              keep_row=True))
         self.catalog.delete_sandbox(row.sandbox_id)
         row.state = State.KILLED
+        self.egress.forget(row.sandbox_id)
         self.gateway.end(row)
         self.recorder.killed(row.session_id, "kill")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from keepstate.egress.policy import Policy
+
 from .state import State
 
 
@@ -64,6 +66,14 @@ class Settings:
     retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
     # Volumes mounted: [{"name", "path", "volume_id"}] (docs/design/volumes.md); restores need the same mounts.
     volume_mounts: list[dict[str, str]] = field(default_factory=list)
+    network: dict[str, Any] = field(default_factory=dict)  # its egress policy: Policy.to_json(); {}: the default
+
+    @property
+    def policy(self) -> Policy:
+        """The sandbox's network policy (a record from before policies: `allow_internet_access` alone)."""
+        if self.network:
+            return Policy.from_json(self.network)
+        return Policy(allow_internet_access=self.allow_internet_access is not False)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -98,6 +108,7 @@ class Settings:
             disk_mb=int(pick("disk_mb", default=0) or 0), files_only=bool(pick("files_only", default=False)),
             standby=instance("standby"), retired=instance("retired"),
             volume_mounts=[dict(m) for m in pick("volume_mounts", "volumeMounts", default=[]) or []],
+            network=dict(pick("network", default={}) or {}),
         )
 
 
@@ -138,7 +149,8 @@ class SandboxRow:
 
     def copy(self) -> SandboxRow:
         return replace(self, settings=replace(self.settings, metadata=dict(self.settings.metadata),
-                                              env_vars=dict(self.settings.env_vars)))
+                                              env_vars=dict(self.settings.env_vars),
+                                              network=dict(self.settings.network)))
 
 
 def portable(row: SandboxRow) -> dict[str, Any]:
