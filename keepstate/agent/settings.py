@@ -93,6 +93,7 @@ class InitRequest:
     default_user: str | None
     default_workdir: str | None
     identity: dict[str, Any] | None = None  # sandboxId, sessionId and, after a fork, the fork's origin
+    network: dict[str, str] | None = None  # resolvConf, caBundle (network_setup.py)
 
 
 def parse_init(data: Any) -> InitRequest:
@@ -108,12 +109,18 @@ def parse_init(data: Any) -> InitRequest:
         return value
 
     identity = {k: data[k] for k in ("sandboxId", "sessionId", "fork") if data.get(k) is not None}
+    network = data.get("network")
+    if network is not None:
+        if not isinstance(network, dict):
+            raise SettingsError("network must be an object")
+        network = _str_map({k: v for k, v in network.items() if k in ("resolvConf", "caBundle")}, "network")
     return InitRequest(
         access_token=opt_str("accessToken"),
         env_vars=_str_map(data.get("envVars"), "envVars"),
         default_user=opt_str("defaultUser") or None,
         default_workdir=opt_str("defaultWorkdir") or None,
         identity=identity or None,
+        network=network or None,
     )
 
 
@@ -156,6 +163,13 @@ class SandboxSettings:
         if init.access_token is not None:
             # An empty token clears it: the host may hand a resumed sandbox back unsecured.
             self.access_token = init.access_token or None
+        if init.network:
+            from keepstate.agent import network_setup
+
+            try:  # the CA variables first: the host's envVars may set their own
+                self.env_vars.update(network_setup.apply(init.network))
+            except OSError:
+                pass  # a read-only root: the sandbox keeps its template's resolver and trust
         self.env_vars.update(init.env_vars)
         if init.default_user is not None:
             self.default_user = init.default_user
