@@ -1,0 +1,179 @@
+"""Egress through the stock SDK: real gVisor sandboxes reaching the fake internet (keepstate.testing.internet) by
+name and address as their network policy says, live updates, the always-denied destinations under every policy,
+the policy across pause/resume and into a fork, and bad policies refused with nothing created.
+
+Only inside an isolated namespace linked to the fake internet (scripts/test.sh, or scripts/isolated.sh plus
+`python -m keepstate.testing.internet up`): there, a rule that let too much through still reaches nothing real.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import pytest
+
+from sdkharness import AGENT_PORT, fake_internet, isolated, wait_until
+
+pytestmark = pytest.mark.skipif(not isolated() or fake_internet() is None,
+                                reason="needs an isolated network namespace linked to the fake internet "
+                                       "(scripts/test.sh, or scripts/isolated.sh + keepstate.testing.internet up)")
+
+PLAIN, OTHER = "198.51.100.10", "198.51.100.13"  # plain.test, other.test (keepstate.testing.internet.NAMES)
+GATEWAY_IP = "10.88.255.254"
+
+
+def curl(sbx: Any, url: str) -> tuple[int, str]:
+    """(curl's exit code, HTTP status) of a GET from inside the sandbox. Exit 6: not resolved, 7: refused (a reset
+    or an ICMP reject), 28: timed out; a blocked destination must never be 28 (dropped, not refused)."""
+    r = sbx.commands.run(f"curl -s -o /dev/null -m 20 -w '%{{http_code}}' {url}; echo \" $?\"", timeout=60)
+    code, _, status = r.stdout.strip().rpartition(" ")
+    return int(status), code.strip()
+
+
+def reaches(sbx: Any, url: str) -> bool:
+    status, code = curl(sbx, url)
+    return status == 0 and code == "200"
+
+
+def refused(sbx: Any, url: str) -> bool:
+    status, _ = curl(sbx, url)
+    assert status != 28, f"{url} timed out: a blocked connection must be refused at once, not dropped"
+    return status != 0
+
+
+def test_default_egress_reaches_a_site_by_name(new_sandbox) -> None:
+    sbx = new_sandbox()
+    assert "10.88.255.254" in sbx.commands.run("cat /etc/resolv.conf").stdout
+    assert reaches(sbx, "http://plain.test/")
+    assert reaches(sbx, f"http://{OTHER}/")
+
+
+def test_no_internet_access_fails_fast(new_sandbox) -> None:
+    sbx = new_sandbox(allow_internet_access=False)
+    assert refused(sbx, "http://plain.test/")
+    assert refused(sbx, f"http://{PLAIN}/")
+    assert sbx.get_info().allow_internet_access is False
+
+
+def test_deny_all_with_one_address_allowed(new_sandbox) -> None:
+    sbx = new_sandbox(network={"allow_out": [PLAIN], "deny_out": ["0.0.0.0/0"]})
+    assert reaches(sbx, f"http://{PLAIN}/")
+    assert refused(sbx, f"http://{OTHER}/")
+
+
+def test_deny_one_address(new_sandbox) -> None:
+    sbx = new_sandbox(network={"deny_out": [OTHER]})
+    assert refused(sbx, f"http://{OTHER}/")
+    assert reaches(sbx, f"http://{PLAIN}/")
+
+
+def test_live_update_then_clear(new_sandbox) -> None:
+    sbx = new_sandbox()
+    assert reaches(sbx, "http://plain.test/")
+    sbx.update_network({"deny_out": ["0.0.0.0/0"]})
+    assert refused(sbx, f"http://{PLAIN}/")
+    info = sbx.get_info()
+    assert info.network is not None
+    sbx.update_network({})
+    assert reaches(sbx, "http://plain.test/")
+
+
+def sandbox_ip(sbx: Any) -> str:
+    out = sbx.commands.run("ip -4 -o addr show eth0").stdout
+    return out.split("inet ")[1].split("/")[0]
+
+
+def test_always_denied_under_every_policy(new_sandbox, server) -> None:
+    other = new_sandbox()
+    other_ip = sandbox_ip(other)
+    port = urllib.parse.urlparse(server.url).port
+    for network in ({}, {"allow_out": ["0.0.0.0/0"]},
+                    {"allow_out": ["169.254.169.254", "10.0.0.0/8", "127.0.0.1"], "deny_out": ["0.0.0.0/0"]}):
+        sbx = new_sandbox(network=network)
+        host_side = ".".join(sandbox_ip(sbx).split(".")[:3] + [str(int(sandbox_ip(sbx).split(".")[3]) - 1)])
+        for target in ("http://169.254.169.254/", f"http://{other_ip}:{AGENT_PORT}/health",
+                       f"http://{host_side}:{port}/health", f"http://{GATEWAY_IP}:{port}/health",
+                       f"http://{host_side}:22/"):
+            assert refused(sbx, target), f"{target} answered under {network}"
+        sbx.kill()
+
+
+def test_policy_survives_pause_and_resume_and_a_fork_inherits_it(new_sandbox) -> None:
+    from e2b import Sandbox
+
+    sbx = new_sandbox(network={"allow_out": [PLAIN], "deny_out": ["0.0.0.0/0"]})
+    assert refused(sbx, f"http://{OTHER}/")
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert reaches(resumed, f"http://{PLAIN}/")
+    assert refused(resumed, f"http://{OTHER}/")
+    children = resumed.fork(count=1)
+    child = children[0]
+    assert not isinstance(child, Exception), child
+    try:
+        assert reaches(child, f"http://{PLAIN}/")
+        assert refused(child, f"http://{OTHER}/")
+    finally:
+        child.kill()
+
+
+def api(server: Any, method: str, path: str, body: Any) -> tuple[int, Any]:
+    req = urllib.request.Request(server.url + path, method=method, data=json.dumps(body).encode(),
+                                 headers={"X-API-KEY": server.key, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read()
+            return r.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def listed(server: Any) -> set[str]:
+    req = urllib.request.Request(server.url + "/v2/sandboxes", headers={"X-API-KEY": server.key})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return {s["sandboxID"] for s in json.loads(r.read())}
+
+
+def test_bad_policies_are_400_and_change_nothing(new_sandbox, server) -> None:
+    before = listed(server)
+    for network in ({"allowOut": ["10.0.0.300/8"]}, {"allowOut": ["1.2.3.4/33"]}, {"bogus": []}):
+        status, err = api(server, "POST", "/sandboxes", {"templateID": "base", "network": network})
+        assert status == 400 and err["code"] == 400 and err["message"], (network, err)
+    assert listed(server) <= before
+    sbx = new_sandbox(network={"deny_out": [OTHER]})
+    for body in ({"denyOut": ["not-a-cidr"]}, {"unknown": True}):
+        status, err = api(server, "PUT", f"/sandboxes/{sbx.sandbox_id}/network", body)
+        assert status == 400 and err["code"] == 400, (body, err)
+    assert refused(sbx, f"http://{OTHER}/") and reaches(sbx, f"http://{PLAIN}/")  # unchanged
+
+
+def test_bytes_are_counted_and_the_host_is_in_the_history(new_sandbox, server) -> None:
+    sbx = new_sandbox()
+    sbx.commands.run("curl -s -o /dev/null http://bulk.test:9000/1000000 || true", timeout=60)
+    assert reaches(sbx, "http://plain.test/")
+
+    def wire_metrics() -> list[dict[str, Any]]:
+        req = urllib.request.Request(f"{server.url}/sandboxes/{sbx.sandbox_id}/metrics",
+                                     headers={"X-API-KEY": server.key})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return list(json.loads(r.read()))
+
+    wait_until(lambda: any(m.get("networkTxBytes", 0) > 0 and m.get("networkRxBytes", 0) > 0
+                           for m in wire_metrics()), 60, "egress byte counts in the metrics")
+
+    def history() -> list[dict[str, Any]]:
+        req = urllib.request.Request(f"{server.url}/sandboxes/{sbx.sandbox_id}/events",
+                                     headers={"X-API-KEY": server.key})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                data = json.loads(r.read())
+        except urllib.error.HTTPError:
+            return []
+        return data if isinstance(data, list) else data.get("events", [])
+
+    wait_until(lambda: any(e.get("kind") == "egress.host" and e.get("data", {}).get("host") == "plain.test"
+                           for e in history()), 60, "an egress.host event naming plain.test")
