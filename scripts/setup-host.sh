@@ -13,7 +13,7 @@ fi
 
 stamp=/var/lib/keepstate/.host-setup-v5
 if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
-    && command -v conntrack >/dev/null && command -v node >/dev/null && command -v npm >/dev/null; then
+    && command -v conntrack >/dev/null && command -v nft >/dev/null && command -v node >/dev/null && command -v npm >/dev/null; then
   exit 0
 fi
 
@@ -55,7 +55,7 @@ command -v npm >/dev/null || js+=(npm)
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
-  debootstrap iproute2 iptables conntrack util-linux procps ca-certificates \
+  debootstrap iproute2 iptables nftables conntrack util-linux procps ca-certificates \
   python3 python3-venv python3-dev gcc make git restic zstd "${js[@]}" >/dev/null
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 
