@@ -29,7 +29,8 @@ TABLE = "inet keepstate"
 ALWAYS_DENIED = tuple(ipaddress.IPv4Network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4"))
-NFT = ["nft"]  # tests prefix it with nsenter to work in a namespace of their own
+NFT = ["nft"]  # tests prefix these with nsenter to work in a namespace of their own
+CONNTRACK = ["conntrack"]
 
 
 @dataclass(frozen=True)
@@ -218,9 +219,9 @@ def counters() -> dict[int, tuple[int, int]]:
 def cut_connections(link: Link) -> None:
     """End the sandbox's own connections (`conntrack -D`): their next packet is judged anew by the new policy,
     and one it denies is answered with a reset. Connections the host opened into the sandbox are left alone."""
-    if shutil.which("conntrack") is None:
+    if shutil.which(CONNTRACK[-1]) is None:
         return
-    subprocess.run(["conntrack", "-D", "--orig-src", link.sandbox_ip], capture_output=True)
+    subprocess.run([*CONNTRACK, "-D", "--orig-src", link.sandbox_ip], capture_output=True)
 
 
 def set_ip_forward() -> None:
