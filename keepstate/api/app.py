@@ -67,6 +67,7 @@ class ServerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
     egress: EgressConfig = field(default_factory=EgressConfig)  # sandboxes' way out (docs/design/network.md)
     secret_exists: Callable[[str], bool] | None = None  # the secrets store's; None: no secret exists
+    secret_value: Callable[[str], str | None] | None = None  # the same store's values, for the egress proxy only
 
 
 def _envd_version() -> str:
@@ -162,7 +163,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
                              boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after,
-                             egress=Egress(config.home, config.egress, datapath=config.runtime != "fake"),
+                             egress=Egress(config.home, config.egress, datapath=config.runtime != "fake",
+                                           secret_value=config.secret_value),
                              secret_exists=config.secret_exists)
     router = Router(manager)
     keys = KeyCache(catalog)

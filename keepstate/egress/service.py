@@ -18,7 +18,7 @@ import socket
 import ssl
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,6 @@ class Attached:
     sandbox_id: str
     link: Link
     policy: Policy
-    hosts: set[str] = field(default_factory=set)  # hosts (names, else addresses) it has connected to
 
 
 class Egress:
@@ -62,7 +61,8 @@ class Egress:
                  on_host: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.home = home
         self.config = config or EgressConfig()
-        self.datapath = datapath and self.config.enabled
+        self.kernel = datapath  # a real runtime: slots have chains in the kernel to open or close
+        self.datapath = datapath and self.config.enabled  # and this server opens them
         self.secret_value = secret_value or (lambda name: None)
         self.on_host = on_host or (lambda sandbox_id, data: None)  # (sandbox ID, {"host", "address", "port"})
         self.ca = CA.load_or_create(home / "tls", "egress")
@@ -73,6 +73,7 @@ class Egress:
         self._by_ip: dict[str, int] = {}
         self._policies: dict[str, Policy] = {}  # by sandbox: remembered when there is no datapath too
         self._totals: dict[str, list[int]] = {}  # sandbox -> [out, in] of slots it left, and of the proxy
+        self._hosts: dict[str, set[str]] = {}  # sandbox -> hosts (names, else addresses) it has connected to
         self._task: asyncio.Task[None] | None = None
         self._nets = self.config.private_nets()
 
@@ -139,7 +140,11 @@ class Egress:
     def attach(self, slot: int, sandbox_id: str, policy: Policy) -> None:
         """Open the slot's egress for a sandbox (blocking: call it in a thread)."""
         self._policies[sandbox_id] = policy
-        if not self.datapath or slot < 0:
+        if slot < 0:
+            return
+        if not self.datapath:  # `--egress off`: whatever an earlier server opened on the slot is closed
+            if self.kernel:
+                firewall.detach(slot, link_for(slot))
             return
         old = self._slots.get(slot)
         if old is not None and old.sandbox_id != sandbox_id:
@@ -168,7 +173,7 @@ class Egress:
 
     def detach(self, slot: int, sandbox_id: str | None = None) -> None:
         """Close the slot's egress (the instance stops); its byte counts stay with the sandbox."""
-        if not self.datapath or slot < 0:
+        if not self.kernel or slot < 0:
             return
         attached = self._slots.get(slot)
         if sandbox_id is not None and attached is not None and attached.sandbox_id != sandbox_id:
@@ -191,6 +196,7 @@ class Egress:
         """A sandbox killed: nothing of it is kept."""
         self._policies.pop(sandbox_id, None)
         self._totals.pop(sandbox_id, None)
+        self._hosts.pop(sandbox_id, None)
 
     # -- questions ------------------------------------------------------------------------------------------------
     def policy_for(self, source_ip: str) -> Policy | None:
@@ -250,9 +256,12 @@ class Egress:
 
     def _seen(self, source_ip: str, host: str, address: str, port: int) -> None:
         a = self._sandbox_at(source_ip)
-        if a is None or host in a.hosts:
+        if a is None:
             return
-        a.hosts.add(host)
+        seen = self._hosts.setdefault(a.sandbox_id, set())
+        if host in seen:
+            return
+        seen.add(host)
         data: dict[str, Any] = {"host": host}
         if address:
             data["address"] = address

@@ -114,8 +114,8 @@ def net(monkeypatch: pytest.MonkeyPatch) -> Iterator[Net]:
             subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
-def attach(body: dict | None = None, aia: bool = True, limits: fw.Limits = fw.Limits()) -> None:
-    fw.apply(SLOT, LINK, policy.parse(body, allow_internet_access=aia), fw.Ports(dns=5353), limits)
+def attach(body: dict | None = None, aia: bool = True, limits: fw.Limits | None = None) -> None:
+    fw.apply(SLOT, LINK, policy.parse(body, allow_internet_access=aia), fw.Ports(dns=5353), limits or fw.Limits())
 
 
 def test_an_unattached_slot_sends_nothing(net: Net) -> None:
