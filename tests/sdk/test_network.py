@@ -76,10 +76,12 @@ def test_live_update_then_clear(new_sandbox) -> None:
     assert reaches(sbx, "http://plain.test/")
     sbx.update_network({"deny_out": ["0.0.0.0/0"]})
     assert refused(sbx, f"http://{PLAIN}/")
-    info = sbx.get_info()
-    assert info.network is not None
+    network = sbx.get_info().network
+    assert network is not None and network.get("deny_out") == ["0.0.0.0/0"]
     sbx.update_network({})
     assert reaches(sbx, "http://plain.test/")
+    network = sbx.get_info().network
+    assert network is not None and not network.get("deny_out")
 
 
 def sandbox_ip(sbx: Any) -> str:
@@ -177,3 +179,35 @@ def test_bytes_are_counted_and_the_host_is_in_the_history(new_sandbox, server) -
 
     wait_until(lambda: any(e.get("kind") == "egress.host" and e.get("data", {}).get("host") == "plain.test"
                            for e in history()), 60, "an egress.host event naming plain.test")
+
+
+def test_egress_is_attached_again_after_a_server_restart(e2b_env) -> None:
+    """kill -9 of the server, then a restart: its new resolver (a new port) and the sandbox's policy still hold."""
+    import os
+    import signal
+    import tempfile
+
+    from e2b import Sandbox
+
+    from sdkharness import make_key, start_server
+
+    home = tempfile.mkdtemp(prefix="keepstate-egress-restart-")
+    srv = start_server(home, pool=0)
+    key = make_key(home)
+    opts = {"api_key": key, "api_url": srv.url, "sandbox_url": srv.url}
+    port = urllib.parse.urlparse(srv.url).port
+    try:
+        sbx = Sandbox.create(timeout=300, network={"deny_out": [OTHER]}, **opts)
+        assert reaches(sbx, "http://plain.test/") and refused(sbx, f"http://{OTHER}/")
+        assert srv.proc is not None
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        srv = start_server(home, port=port, pool=0, extra=("--reap-on-exit",))
+        again = Sandbox.connect(sbx.sandbox_id, **opts)
+        assert reaches(again, "http://plain.test/")  # by name: the dnat names the new resolver's port
+        assert refused(again, f"http://{OTHER}/")
+        assert again.kill() is True
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.proc.terminate()
+            srv.proc.wait(timeout=60)
