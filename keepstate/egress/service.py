@@ -187,6 +187,8 @@ class Egress:
             return
         self._by_ip.pop(attached.link.sandbox_ip, None)
         self.resolver.memory.forget(attached.link.sandbox_ip)
+        if attached.sandbox_id not in self._policies:
+            return  # killed (forget): nothing of it is kept
         out, inn = firewall.counters().get(slot, (0, 0))
         total = self._totals.setdefault(attached.sandbox_id, [0, 0])
         total[0] += out
