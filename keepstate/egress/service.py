@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 import ipaddress
 import logging
 import shutil
@@ -104,9 +105,16 @@ class Egress:
         trust = ssl.create_default_context()
         if self.config.ca_bundle is not None:
             trust.load_verify_locations(cafile=str(self.config.ca_bundle))
-        self.proxy = module.Proxy(lookup=self.policy_for, secret_value=self.secret_value, ca=self.ca,
-                                  upstream_trust=trust, guard=self.always_denied, on_bytes=self._proxy_bytes,
-                                  on_host=self._proxy_host)
+        options: dict[str, Any] = {
+            "lookup": self.policy_for, "secret_value": self.secret_value, "ca": self.ca, "upstream_trust": trust,
+            "guard": self.always_denied, "on_bytes": self._proxy_bytes, "on_host": self._proxy_host,
+            # what the forward chain's `ct count` never sees (proxied connections end at the host)
+            "max_connections": self.config.max_connections,
+            # a secret goes in plain HTTP only to an address the sandbox's resolver gave for that name
+            "resolved": lambda source, name, ip: ip in self.resolver.memory.addresses(source, name),
+        }
+        accepted = inspect.signature(module.Proxy).parameters
+        self.proxy = module.Proxy(**{k: v for k, v in options.items() if k in accepted})
         for _ in range(20):  # the proxy takes a port, not 0: a free one, asked for just before
             with socket.socket() as probe:
                 probe.bind((GATEWAY_IP, 0))

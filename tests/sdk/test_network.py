@@ -12,6 +12,7 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -211,3 +212,16 @@ def test_egress_is_attached_again_after_a_server_restart(e2b_env) -> None:
         if srv.proc is not None and srv.proc.poll() is None:
             srv.proc.terminate()
             srv.proc.wait(timeout=60)
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / "keepstate" / "egress" / "proxy.py").exists(),
+                    reason="this tree has no egress proxy (keepstate/egress/proxy.py): domains cannot be allowed")
+def test_domains_allowed_by_name_through_the_proxy(new_sandbox) -> None:
+    sbx = new_sandbox(network={"allow_out": ["plain.test", "*.allowed.test"], "deny_out": ["0.0.0.0/0"]})
+    assert reaches(sbx, "http://plain.test/")
+    assert reaches(sbx, "https://a.allowed.test/")  # spliced: the site's own certificate (the test CA) is trusted
+    assert refused(sbx, "http://other.test/")
+    assert refused(sbx, f"http://{OTHER}/")
+    assert refused(sbx, "http://169.254.169.254/")
+    sbx.update_network({})
+    assert reaches(sbx, f"http://{OTHER}/") and reaches(sbx, f"http://{PLAIN}/")
