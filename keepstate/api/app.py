@@ -28,6 +28,7 @@ from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.secret import SecretStore
+from keepstate.secret.crypto import KEY_FILE, Sealer
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
 from keepstate.volume import Volumes
 from keepstate.volume.store import DEFAULT_SIZE_MB
@@ -66,7 +67,8 @@ class ServerConfig:
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
     boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
-    secrets_key_file: Path | None = None  # default <home>/secrets.key; KEEPSTATE_SECRETS_KEY wins (secret/crypto.py)
+    # None: secret/crypto.py's load_key (<home>/secrets.key, KEEPSTATE_SECRETS_KEY). Never in a repr.
+    secrets_key: bytes | None = field(default=None, repr=False)
 
 
 def _envd_version() -> str:
@@ -145,7 +147,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     durable = Durability(config.home, runtime, templates, config.store_url)
     durable.clear_images()
     volumes = Volumes(config.home, catalog, config.volume_backend, config.volume_size_mb)
-    secret_store = SecretStore.open(catalog, config.secrets_key_file or config.home / "secrets.key")
+    secret_store = SecretStore(catalog, Sealer(config.secrets_key)) if config.secrets_key is not None else \
+        SecretStore.open(catalog, config.home / KEY_FILE)
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
     if config.gateway_config is not None:

@@ -99,9 +99,13 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
 
     from keepstate.api.app import ServerConfig, create_app
     from keepstate.sandbox.admission import AdmissionConfig
+    from keepstate.secret.crypto import KEY_FILE, load_key
     from keepstate.template import builder
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # First: KEEPSTATE_SECRETS_KEY leaves the environment before any child process (a template build) could
+    # inherit it.
+    secrets_key = load_key(Path(secrets_key_file) if secrets_key_file else home() / KEY_FILE)
     host, _, port = listen.rpartition(":")
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
@@ -114,7 +118,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images,
-                          secrets_key_file=Path(secrets_key_file) if secrets_key_file else None,
+                          secrets_key=secrets_key,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key))

@@ -1,5 +1,6 @@
 """The metering gateway's provider keys never enter a sandbox: not its environment, not a process's command line,
-not a file, not an answer from the gateway, even after a call through it that the gateway made with the key.
+not a file, not an answer from the gateway, even after a call through it that the gateway made with the key. And
+the secrets key given in the server's environment (KEEPSTATE_SECRETS_KEY) reaches no process the server starts.
 
 A real server with `--gateway-config` (one key inline in the config file, one from the server's environment via
 `api_key_env`), a real gVisor sandbox, the fake provider on 127.0.0.1. The scanner in the sandbox gets the keys as
@@ -8,6 +9,7 @@ hex, so that no process there ever holds them in its arguments.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -25,6 +27,7 @@ from tests.sdk.sdkharness import Server, free_port, make_key, start_server
 INLINE_KEY = "sk-inline-" + secrets.token_hex(16)
 ENV_KEY = "sk-env-" + secrets.token_hex(16)
 ENV_NAME = "KEEPSTATE_TEST_ANTHROPIC_KEY"
+SECRETS_KEY = base64.b64encode(secrets.token_bytes(32)).decode()
 
 SCAN = r"""
 import json, os, stat, sys
@@ -78,6 +81,18 @@ print(json.loads(answer)["choices"][0]["message"]["content"] != "")
 """
 
 
+def host_pids_whose_environ_has(needle: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
 @pytest.fixture
 def fake() -> Iterator[FakeProvider]:
     with fake_provider_in_thread(FakeProvider(api_key=INLINE_KEY)) as f:
@@ -98,10 +113,12 @@ def server(fake: FakeProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         "price_table": str(prices),
     }))
     monkeypatch.setenv(ENV_NAME, ENV_KEY)  # the server's environment, as an operator would give it
+    monkeypatch.setenv("KEEPSTATE_SECRETS_KEY", SECRETS_KEY)
     home = tempfile.mkdtemp(prefix="keepstate-gateway-keys-")
     srv = start_server(home, pool=0, extra=("--reap-on-exit", "--gateway-config", str(config), "--gateway-port",
                                             str(free_port())))
     srv.key = make_key(home)
+    monkeypatch.delenv("KEEPSTATE_SECRETS_KEY")
     try:
         yield srv
     finally:
@@ -128,6 +145,11 @@ def test_provider_keys_never_enter_a_sandbox(server: Server, fake: FakeProvider)
         scan = json.loads(out.strip().splitlines()[-1])
         assert scan["found"] == [], scan["found"]
         assert scan["files"] > 1000, scan  # it did walk the filesystem (the base image has many thousand files)
+        # On the host, while the sandbox runs: only the server's own initial environment holds the secrets key
+        # (it drops it from its environment at start, so runsc and every other child starts without it).
+        assert server.proc is not None
+        holders = [pid for pid in host_pids_whose_environ_has(SECRETS_KEY.encode()) if pid != server.proc.pid]
+        assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
     finally:
         sbx.kill()
     # On the host: the keys are not in the server's log, the catalog, or the gateway's ledger.
