@@ -72,6 +72,10 @@ from .common import Command, home_option
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
               help="Sandbox engine. `fake` runs keepstate.testing.FakeRuntime: in-process fake sandboxes with no "
                    "isolation and no command execution, for tests of the API and lifecycle only.")
+@click.option("--secrets-key-file", type=click.Path(dir_okay=False), default=None,
+              help="The key secrets are encrypted with at rest (AES-256-GCM): 32 bytes, raw or base64. Default "
+                   "<home>/secrets.key, made (mode 0600) on first use; keep it apart from the catalog's backups. "
+                   "KEEPSTATE_SECRETS_KEY (base64) overrides it.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
@@ -80,7 +84,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
           disk_mb: int, volume_size_mb: int,
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, reap_on_exit: bool,
-          runtime_kind: str, log_level: str) -> None:
+          runtime_kind: str, secrets_key_file: str | None, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -95,9 +99,13 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
 
     from keepstate.api.app import ServerConfig, create_app
     from keepstate.sandbox.admission import AdmissionConfig
+    from keepstate.secret.crypto import KEY_FILE, load_key
     from keepstate.template import builder
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # First: KEEPSTATE_SECRETS_KEY leaves the environment before any child process (a template build) could
+    # inherit it.
+    secrets_key = load_key(Path(secrets_key_file) if secrets_key_file else home() / KEY_FILE)
     host, _, port = listen.rpartition(":")
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
@@ -110,6 +118,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images,
+                          secrets_key=secrets_key,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key))

@@ -52,6 +52,7 @@ from .templates import Templates
 
 if TYPE_CHECKING:
     from keepstate.gateway.gateway import Gateway
+    from keepstate.secret import SecretStore
 
 log = logging.getLogger("keepstate.sandbox")
 
@@ -96,8 +97,9 @@ class SandboxManager:
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
-                 freeze_idle_after: float = DEFAULT_AFTER) -> None:
+                 freeze_idle_after: float = DEFAULT_AFTER, secrets: SecretStore | None = None) -> None:
         self.catalog = catalog
+        self.secrets = secrets  # the egress service asks it `exists(name)` (policies) and `value(name)` (the proxy)
         self.runtime = runtime
         self.templates = templates
         self.recorder = recorder
