@@ -150,6 +150,10 @@ def test_provider_keys_never_enter_a_sandbox(server: Server, fake: FakeProvider)
         assert server.proc is not None
         holders = [pid for pid in host_pids_whose_environ_has(SECRETS_KEY.encode()) if pid != server.proc.pid]
         assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
+        # Nor the provider key from the server's environment: runsc (its gofer and sandbox, alive as long as the
+        # sandbox) starts with PATH only.
+        holders = [pid for pid in host_pids_whose_environ_has(ENV_KEY.encode()) if pid != server.proc.pid]
+        assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
     finally:
         sbx.kill()
     # On the host: the keys are not in the server's log, the catalog, or the gateway's ledger.
