@@ -34,7 +34,7 @@ from keepstate.volume.store import DEFAULT_SIZE_MB
 from . import control, events, logs
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER, VOLUMES
+from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, VOLUMES
 from .router import Router, target_of
 from .spec import validating_middleware
 
@@ -64,6 +64,7 @@ class ServerConfig:
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
     boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
+    domain: str | None = None  # port URLs' <port>-<id>.<domain>; default localhost:<port> (api/listeners.py)
 
 
 def _envd_version() -> str:
@@ -188,6 +189,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[CATALOG] = catalog
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
+    app[DOMAIN] = config.domain or f"localhost:{config.port}"
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
