@@ -17,6 +17,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -263,6 +264,17 @@ def test_traffic_resumes_a_paused_sandbox_once(ports: Ports, waking: Any) -> Non
                                                                                          for i in range(6)]
     assert waking.get_info().state.value == "running"
     assert ports.resumes(waking.sandbox_id) == before + 1
+
+
+def test_traffic_resumes_a_sandbox_its_timeout_paused(ports: Ports, waking: Any) -> None:
+    waking.set_timeout(1)
+    wait_until(lambda: waking.get_info().state.value == "paused", 60, "the timeout's auto-pause")
+    r = ports.get(waking.get_host(ECHO_PORT), "/after-timeout")
+    assert r.status_code == 200 and r.json()["path"] == "/after-timeout"
+    info = waking.get_info()
+    assert info.state.value == "running"
+    # It runs for its create-time timeout again (600 s), as E2B's auto-resume gives it.
+    assert (info.end_at - datetime.now(UTC)).total_seconds() > 300
 
 
 def test_agent_traffic_resumes_it_too(ports: Ports, waking: Any) -> None:
