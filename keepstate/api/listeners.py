@@ -94,6 +94,31 @@ class Listener:
         return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
 
+def plan(home: Path, host: str, port: int, domain: str | None, tls_cert: str | None, tls_key: str | None,
+         self_signed: bool, tls_listen: str | None) -> tuple[list[Listener], str]:
+    """`serve`'s listeners and domain from its options (ValueError: options that do not go together). TLS, when
+    on, listens on `tls_listen` (default `<host>:3443`) and the default domain names that port."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if tls_cert and self_signed:
+        raise ValueError("--tls-self-signed or --tls-cert/--tls-key, not both")
+    tls_on = bool(tls_cert or self_signed)
+    if tls_listen and not tls_on:
+        raise ValueError("--tls-listen needs --tls-cert/--tls-key or --tls-self-signed")
+    tls_host, _, tls_port = (tls_listen or f"{host}:{TLS_PORT}").rpartition(":")
+    if not tls_port.isdigit() or not 0 < int(tls_port) < 65536:
+        raise ValueError(f"--tls-listen {tls_listen!r} is not HOST:PORT")
+    domain = (domain or "").strip().lower() or default_domain(int(tls_port) if tls_on else port)
+    if any(c in domain for c in "/ @") or domain.startswith("."):
+        raise ValueError(f"--domain {domain!r} must be a host name with an optional :PORT (no scheme, no path)")
+    sites = [Listener(host, port)]
+    if tls_on:
+        ctx = (operator_context(Path(tls_cert), Path(tls_key)) if tls_cert and tls_key
+               else self_signed_context(router_ca(home), domain))
+        sites.append(Listener(tls_host or host, int(tls_port), ctx))
+    return sites, domain
+
+
 def run(app: web.Application, listeners: list[Listener], **server_args: object) -> None:
     """`web.run_app` with several listeners (it takes one TLS setting for all): serve until SIGINT or SIGTERM,
     then shut down as it does."""

@@ -113,19 +113,11 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = listen.rpartition(":")
-    if (tls_cert is None) != (tls_key is None):
-        raise click.UsageError("--tls-cert and --tls-key go together")
-    if tls_cert and tls_self_signed:
-        raise click.UsageError("--tls-self-signed or --tls-cert/--tls-key, not both")
-    tls_on = bool(tls_cert or tls_self_signed)
-    if tls_listen and not tls_on:
-        raise click.UsageError("--tls-listen needs --tls-cert/--tls-key or --tls-self-signed")
-    tls_host, _, tls_port = (tls_listen or f"{host or '127.0.0.1'}:{listeners.TLS_PORT}").rpartition(":")
-    if not tls_port.isdigit():
-        raise click.UsageError(f"--tls-listen {tls_listen!r} is not HOST:PORT")
-    domain = (domain or "").strip().lower() or listeners.default_domain(int(tls_port) if tls_on else int(port))
-    if any(c in domain for c in "/ @") or domain.startswith("."):
-        raise click.UsageError(f"--domain {domain!r} must be a host name with an optional :PORT (no scheme, no path)")
+    try:  # before any build: a wrong TLS option fails at once
+        sites, domain = listeners.plan(home(), host or "127.0.0.1", int(port), domain, tls_cert, tls_key,
+                                       tls_self_signed, tls_listen)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
         for name in warm_names:
@@ -146,14 +138,6 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    sites = [listeners.Listener(config.host, config.port)]
-    if tls_on:
-        try:
-            ctx = (listeners.operator_context(Path(tls_cert), Path(tls_key)) if tls_cert and tls_key
-                   else listeners.self_signed_context(listeners.router_ca(config.home), domain))
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
-        sites.append(listeners.Listener(tls_host or "127.0.0.1", int(tls_port), ctx))
     click.echo(f"keepstate: serving on {', '.join(s.url for s in sites)}, port URLs <port>-<id>.{domain} "
                f"(data in {config.home})", err=True)
     # auto_decompress=False: the router forwards request bodies as they came (gzip uploads stay gzip).

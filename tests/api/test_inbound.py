@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,42 @@ def test_default_domain_names_the_tls_port(fake_tls_server: tuple[str, int, str,
         body = json.loads(r.read())
     assert body["domain"] == f"localhost:{tls_port}"
     assert body["trafficAccessToken"] is None
+
+
+def test_plan_listeners_and_domain(tmp_path: Path) -> None:
+    sites, domain = listeners.plan(tmp_path, "127.0.0.1", 3000, None, None, None, False, None)
+    assert domain == "localhost:3000" and [s.url for s in sites] == ["http://127.0.0.1:3000"]
+    sites, domain = listeners.plan(tmp_path, "127.0.0.1", 3000, None, None, None, True, None)
+    assert domain == "localhost:3443" and [s.url for s in sites] == ["http://127.0.0.1:3000", "https://127.0.0.1:3443"]
+    assert (tmp_path / "tls" / "router-ca.pem").exists()
+    sites, domain = listeners.plan(tmp_path, "127.0.0.1", 3000, "Sbx.Example.Test", None, None, True, "0.0.0.0:8443")
+    assert domain == "sbx.example.test" and sites[1].url == "https://0.0.0.0:8443"
+
+
+@pytest.mark.parametrize("args", [("cert.pem", None, False, None), ("cert.pem", "key.pem", True, None),
+                                  (None, None, False, "127.0.0.1:3443"), (None, None, True, "127.0.0.1:http")])
+def test_plan_refuses_options_that_do_not_go_together(tmp_path: Path, args: tuple[object, ...]) -> None:
+    with pytest.raises(ValueError):
+        listeners.plan(tmp_path, "127.0.0.1", 3000, None, *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("domain", ["http://x.test", "x.test/path", ".x.test", "a b"])
+def test_plan_refuses_a_domain_that_is_not_a_host(tmp_path: Path, domain: str) -> None:
+    with pytest.raises(ValueError):
+        listeners.plan(tmp_path, "127.0.0.1", 3000, domain, None, None, False, None)
+
+
+def test_operator_certificate(tmp_path: Path) -> None:
+    ca = CA.create("operator CA")
+    cert, key = ca.issue("*.sbx.example.test")
+    (tmp_path / "c.pem").write_bytes(cert + ca.cert_pem)
+    (tmp_path / "k.pem").write_bytes(key)
+    sites, _ = listeners.plan(tmp_path, "127.0.0.1", 3000, "sbx.example.test", str(tmp_path / "c.pem"),
+                              str(tmp_path / "k.pem"), False, None)
+    assert sites[1].ssl_context is not None
+    client = ssl.create_default_context(cadata=ca.cert_pem.decode())
+    peer = _handshake(sites[1].ssl_context, client, "8000-abc.sbx.example.test").getpeercert()
+    assert ("DNS", "*.sbx.example.test") in peer["subjectAltName"]
+    with pytest.raises(ValueError):
+        listeners.plan(tmp_path, "127.0.0.1", 3000, None, str(tmp_path / "k.pem"), str(tmp_path / "k.pem"), False,
+                       None)
