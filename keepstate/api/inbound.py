@@ -21,7 +21,7 @@ import logging
 from aiohttp import web
 
 from keepstate.egress.policy import Policy
-from keepstate.errors import KeepStateError
+from keepstate.errors import KeepStateError, NotFound
 from keepstate.ports import AGENT_PORT
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, SandboxManager
 from keepstate.sandbox.record import SandboxRow
@@ -77,7 +77,7 @@ class Inbound:
         if port == AGENT_PORT or token is None:
             return None
         given = request.headers.get(TOKEN_HEADER, "")
-        if hmac.compare_digest(given.encode(), token.encode()):
+        if hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
             return None
         return forbidden(row.sandbox_id)
 
@@ -104,6 +104,8 @@ class Inbound:
             task.add_done_callback(self._done)
         try:
             await asyncio.shield(task)  # a client that gives up does not cancel the resume the others wait on
+        except NotFound:  # killed meanwhile: the router's own "not found"
+            return None
         except KeepStateError as exc:  # refused (a limit, a start queue full): say so, as the API would
             return error_response(exc)
         except Exception as exc:

@@ -388,7 +388,7 @@ class SandboxManager:
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
         settings.auto_resume, settings.starting_timeout = req.auto_resume, req.timeout
-        if req.network:
+        if req.network:  # the create's policy, else the snapshot's
             settings.network = dict(req.network)
         theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
         if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
