@@ -95,13 +95,20 @@ def ports() -> Iterator[Ports]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def e2b_env(ports: Ports) -> None:
-    """This module's server, not the session's (the conftest's fixture of the same name is overridden)."""
-    os.environ["E2B_API_URL"] = ports.plain
-    os.environ["E2B_SANDBOX_URL"] = ports.plain
-    os.environ["E2B_API_KEY"] = ports.server.key
+def e2b_env(ports: Ports) -> Iterator[None]:
+    """This module's server, not the session's (the conftest's fixture of the same name is overridden), for this
+    module only: the session's is back afterwards."""
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DEBUG", "NO_PROXY")
+    saved = {n: os.environ.get(n) for n in names}
+    os.environ.update({"E2B_API_URL": ports.plain, "E2B_SANDBOX_URL": ports.plain, "E2B_API_KEY": ports.server.key,
+                       "NO_PROXY": "127.0.0.1,localhost"})
     os.environ.pop("E2B_DEBUG", None)
-    os.environ["NO_PROXY"] = "127.0.0.1,localhost"
+    yield
+    for n, v in saved.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
 
 
 @pytest.fixture(scope="module")
