@@ -37,7 +37,7 @@ from . import control, events, logs
 from . import secrets as secret_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
+from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
 from .router import Router, target_of
 from .spec import validating_middleware
 
@@ -69,6 +69,7 @@ class ServerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
     # None: secret/crypto.py's load_key (<home>/secrets.key, KEEPSTATE_SECRETS_KEY). Never in a repr.
     secrets_key: bytes | None = field(default=None, repr=False)
+    domain: str | None = None  # port URLs' <port>-<id>.<domain>; default localhost:<port> (api/listeners.py)
 
 
 def _envd_version() -> str:
@@ -197,6 +198,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
     app[SECRETS] = secret_store
+    app[DOMAIN] = config.domain or f"localhost:{config.port}"
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
