@@ -41,7 +41,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+if "PYTHONPATH" not in os.environ:  # this checkout's code, here and in the server it starts
+    os.environ["PYTHONPATH"] = str(REPO)
+    sys.path.insert(0, str(REPO))
 from common import median, row, server  # noqa: E402
 
 MARKER = "KEEPSTATE_BENCH_ISOLATED"
@@ -372,7 +374,6 @@ def main() -> int:
     args = parser.parse_args()
     if not os.environ.get(MARKER):
         os.environ[MARKER] = "1"
-        os.environ.setdefault("PYTHONPATH", str(REPO))
         os.execvp("bash", ["bash", str(REPO / "scripts" / "isolated.sh"), sys.executable, __file__, *sys.argv[1:]])
     from keepstate.testing.internet import FakeInternet, in_root_netns
 
