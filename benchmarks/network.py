@@ -212,7 +212,7 @@ def bench_connect(sbx: Any, args: argparse.Namespace) -> None:
                            " (no egress datapath in this server?)")
     if None in denied["errors"]:
         raise RuntimeError(f"a connection to the denied {DENIED} succeeded: denyOut not applied")
-    print(row(f"connect(), allowed vs denied, ms (median of {args.connects})", median(denied["ms"]),
+    print(row(f"connect() refused by denyOut, ms (median of {args.connects})", median(denied["ms"]),
               median(allowed["ms"]), "ms", "allowed (succeeds)"))
     print(f"    denied: {sorted(set(denied['errors']))}, slowest {max(denied['ms']):.1f} ms")
     goal("denied fails < 1 s", max(denied["ms"]) < 1000)

@@ -280,3 +280,16 @@ def test_up_then_down_leaves_nothing() -> None:
     assert "already has a fake internet" in seen["second"] and not seen["second_netns"]
     assert seen["first_after_second"] == {"route": seen["route"], "site": "site plain.test"}
     assert seen["after"] == {"route": "", "link": "", "netns": False, "dir": False, "pids": [False, False]}
+
+
+def test_sdkharness_reads_the_same_state(internet: FakeInternet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK tests' harness (no keepstate imports) sees the same namespace and fake internet."""
+    from tests.sdk import sdkharness
+
+    assert sdkharness.isolated()
+    monkeypatch.setenv("KEEPSTATE_FAKE_INTERNET", internet.state["state_file"])
+    assert sdkharness.fake_internet() == internet.state
+    flags = sdkharness.fake_internet_flags()
+    assert set(flags) <= {"--dns-upstream", "198.51.100.53", "--egress-ca-bundle", internet.ca_file}
+    monkeypatch.delenv("KEEPSTATE_FAKE_INTERNET")
+    assert sdkharness.fake_internet() is None and sdkharness.fake_internet_flags() == ()
