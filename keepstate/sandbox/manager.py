@@ -20,7 +20,7 @@ import secrets
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,9 +51,11 @@ from .slots import Slots
 from .standby import StandbyCache
 from .state import Command, State, listed, require
 from .templates import Templates
+from .traffic import traffic_token
 
 if TYPE_CHECKING:
     from keepstate.gateway.gateway import Gateway
+    from keepstate.secret import SecretStore
 
 log = logging.getLogger("keepstate.sandbox")
 
@@ -80,7 +82,8 @@ class CreateRequest:
     allow_internet_access: bool | None = None
     gateway: bool = True  # our extension: false keeps the metering gateway's variables out
     volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
-    network: Policy | None = None  # its egress policy (None: none asked for; a snapshot's sandbox keeps its own)
+    network: dict[str, Any] = field(default_factory=dict)  # the create's policy, Policy.to_json() ({}: default)
+    auto_resume: bool = False  # lifecycle autoResume: traffic to it while paused resumes it
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
@@ -99,9 +102,10 @@ class SandboxManager:
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
-                 freeze_idle_after: float = DEFAULT_AFTER, egress: Egress | None = None,
-                 secret_exists: Callable[[str], bool] | None = None) -> None:
+                 freeze_idle_after: float = DEFAULT_AFTER, secrets: SecretStore | None = None,
+                 egress: Egress | None = None) -> None:
         self.catalog = catalog
+        self.secrets = secrets  # the egress service asks it `exists(name)` (policies) and `value(name)` (the proxy)
         self.runtime = runtime
         self.templates = templates
         self.recorder = recorder
@@ -115,7 +119,6 @@ class SandboxManager:
         # Without one (tests of the manager alone): policies are remembered, nothing leaves.
         self.egress = egress or Egress(catalog.path.parent, EgressConfig(enabled=False), datapath=False)
         self.egress.on_host = self._egress_host
-        self.secret_exists = secret_exists or (lambda name: False)  # the secrets store's, when the server has one
         admission = admission or AdmissionConfig()
         self.instances = Instances(catalog, runtime, self.slots, self.agents, templates,
                                    admission.start_queue_for(), volumes,
@@ -309,14 +312,15 @@ class SandboxManager:
 
     def check_secrets(self, policy: Policy) -> None:
         """A policy may name only secrets that exist (a 400 otherwise: nothing is created or changed)."""
-        missing = sorted(n for n in policy.secret_names() if not self.secret_exists(n))
+        store = self.secrets
+        missing = sorted(n for n in policy.secret_names() if store is None or not store.exists(n))
         if missing:
             raise BadRequest(f"`network.rules` names secret(s) that do not exist: {', '.join(missing)} "
                              f"(create them with POST /secrets first)")
 
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
-        if req.network is not None:
-            self.check_secrets(req.network)
+        if req.network:
+            self.check_secrets(Policy.from_json(req.network))
         if not req.volume_mounts or self.find_snapshot(req.template_id) is not None:
             return await self._create(req, api_key_id, [])
         if self.volumes is None:
@@ -359,7 +363,8 @@ class SandboxManager:
                                     auto_pause_memory=req.auto_pause_memory,
                                     allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
                                     gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
-                                    network=(req.network or Policy()).to_json())
+                                    network=dict(req.network), auto_resume=req.auto_resume,
+                                    traffic_token=traffic_token(req.network), starting_timeout=req.timeout)
             row.state = State.RUNNING
             try:
                 await self.instances.attach(row)
@@ -403,9 +408,9 @@ class SandboxManager:
         settings.metadata = dict(req.metadata)
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
-        if req.network is not None:
-            settings.network = req.network.to_json()
-            settings.allow_internet_access = req.allow_internet_access
+        settings.auto_resume, settings.starting_timeout = req.auto_resume, req.timeout
+        if req.network:  # the create's policy, else the snapshot's
+            settings.network = dict(req.network)
         theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
         if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
             raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "

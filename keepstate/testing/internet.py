@@ -125,6 +125,14 @@ class FakeInternet:
         if in_root_netns():
             raise NotIsolated("refusing to add a fake internet (and a default route) in the host's root network "
                               "namespace: run inside an isolated one (scripts/isolated.sh)")
+        if subprocess.run(["ip", "link", "show", "dev", OUR_IF], capture_output=True).returncode == 0:
+            raise FileExistsError(f"this namespace already has a fake internet ({OUR_IF})")
+        route = _run("ip", "route", "show", "default").strip()
+        if route:
+            raise FileExistsError(f"this namespace already has a default route ({route}): a fake internet must be "
+                                  "its only way out")
+        if os.path.exists(self.netns_path):
+            raise FileExistsError(f"network namespace {self.netns} already exists")
         directory = Path(tempfile.mkdtemp(prefix=f"ksfi-{self.tag}-"))
         state_path = Path(state_file) if state_file else directory / "state.json"
         self.state = {
@@ -137,6 +145,7 @@ class FakeInternet:
                            "url": f"socks5://{SOCKS_USER}:{SOCKS_PASSWORD}@{SOCKS_IP}:{SOCKS_AUTH_PORT}"},
             "socks_log_url": f"http://{SOCKS_IP}:{LOG_PORT}/log", "dns_log_url": f"http://{SOCKS_IP}:{LOG_PORT}/dns-log",
             "bulk": {"host": BULK_IP, "port": BULK_PORT}, "ca_file": str(directory / "ca.pem"), "pids": [],
+            "made": [],  # what down() removes: only what this up() made ("netns", "link")
         }
         try:
             self._write_ca(directory)
@@ -163,7 +172,9 @@ class FakeInternet:
 
     def _make_network(self) -> None:
         _run("ip", "netns", "add", self.netns)
+        self.state["made"].append("netns")
         _run("ip", "link", "add", OUR_IF, "type", "veth", "peer", "name", "eth0", "netns", self.netns)
+        self.state["made"].append("link")
         _run("ip", "addr", "add", f"{OUR_IP}/30", "dev", OUR_IF)
         _run("ip", "link", "set", OUR_IF, "up")
         inside = ["link set lo up", f"addr add {PEER_IP}/30 dev eth0", "link set eth0 up",
@@ -225,8 +236,12 @@ class FakeInternet:
                 except ProcessLookupError:
                     pass
             _reap(pid)
-        subprocess.run(["ip", "link", "del", OUR_IF], capture_output=True)  # takes our default route with it
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        made = self.state.get("made", [])
+        if "link" in made:
+            subprocess.run(["ip", "link", "del", OUR_IF], capture_output=True)  # our default route goes with it
+        if "netns" in made:
+            subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        self.state["made"] = []
         directory = self.state.get("dir")
         if directory:
             shutil.rmtree(directory, ignore_errors=True)

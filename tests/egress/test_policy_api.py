@@ -88,7 +88,12 @@ async def test_policy_survives_pause_and_resume_and_a_fork_inherits_it() -> None
 
 async def test_a_policy_may_name_only_secrets_that_exist() -> None:
     rules = {"rules": {"api.test": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.key}"}}}]}}
-    async with serving(pool_size=0, secret_exists=lambda name: name == "key") as s:
+    async with serving(pool_size=0) as s:
+        status, err = await create(s, network=rules)
+        assert status == 400 and "key" in err["message"]  # no such secret yet: nothing created
+        assert await listed(s) == 0
+        status, _ = await s.call("POST", "/secrets", {"name": "key", "value": "s3cret"})
+        assert status == 201
         status, sbx = await create(s, network=rules)
         assert status == 201, sbx
         sid = sbx["sandboxID"]

@@ -235,3 +235,61 @@ def test_no_route_beyond_the_fake_internet(internet: FakeInternet) -> None:
     with pytest.raises(OSError) as err:
         socket.create_connection(("198.51.100.99", 80), timeout=10)
     assert not isinstance(err.value, TimeoutError)
+
+
+LIFECYCLE = """
+import json, os, subprocess, sys, urllib.request
+from keepstate.testing.internet import FakeInternet
+def sh(*a):
+    return subprocess.run(list(a), capture_output=True, text=True).stdout
+def site():
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return opener.open("http://198.51.100.10/", timeout=10).read().decode()
+tag = sys.argv[1]
+fi = FakeInternet(tag)
+state = fi.up()
+pids = list(state["pids"])
+seen = {"route": sh("ip", "route", "show", "default"), "netns": os.path.exists(fi.netns_path),
+        "pids": [os.path.exists(f"/proc/{p}") for p in pids], "site": site()}
+try:
+    FakeInternet(tag + "b").up()  # a second one here: refused before it makes anything
+    seen["second"] = "up"
+except FileExistsError as e:
+    seen["second"] = str(e)
+seen["second_netns"] = os.path.exists(f"/run/netns/ksfi-{tag}b")
+seen["first_after_second"] = {"route": sh("ip", "route", "show", "default"), "site": site()}
+fi.down()
+fi.down()  # twice: nothing left to do
+seen["after"] = {"route": sh("ip", "route", "show", "default"), "link": sh("ip", "-br", "link", "show", "ksfi0"),
+                 "netns": os.path.exists(fi.netns_path), "dir": os.path.exists(state["dir"]),
+                 "pids": [os.path.exists(f"/proc/{p}") for p in pids]}
+print(json.dumps(seen))
+"""
+
+
+def test_up_then_down_leaves_nothing() -> None:
+    """In a namespace of its own: up links it (default route via the fake internet, servers running); a second
+    up there is refused and leaves the first intact; down removes the namespace, link, route, servers and files."""
+    tag = f"life{os.getpid()}"
+    out = subprocess.run(["bash", str(REPO / "scripts" / "isolated.sh"), sys.executable, "-c", LIFECYCLE, tag],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["route"].startswith("default via 203.0.113.2 dev ksfi0") and seen["netns"]
+    assert seen["pids"] == [True, True] and seen["site"] == "site plain.test"
+    assert "already has a fake internet" in seen["second"] and not seen["second_netns"]
+    assert seen["first_after_second"] == {"route": seen["route"], "site": "site plain.test"}
+    assert seen["after"] == {"route": "", "link": "", "netns": False, "dir": False, "pids": [False, False]}
+
+
+def test_sdkharness_reads_the_same_state(internet: FakeInternet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK tests' harness (no keepstate imports) sees the same namespace and fake internet."""
+    from tests.sdk import sdkharness
+
+    assert sdkharness.isolated()
+    monkeypatch.setenv("KEEPSTATE_FAKE_INTERNET", internet.state["state_file"])
+    assert sdkharness.fake_internet() == internet.state
+    flags = sdkharness.fake_internet_flags()
+    assert set(flags) <= {"--dns-upstream", "198.51.100.53", "--egress-ca-bundle", internet.ca_file}
+    monkeypatch.delenv("KEEPSTATE_FAKE_INTERNET")
+    assert sdkharness.fake_internet() is None and sdkharness.fake_internet_flags() == ()
