@@ -225,3 +225,25 @@ def test_domains_allowed_by_name_through_the_proxy(new_sandbox) -> None:
     assert refused(sbx, "http://169.254.169.254/")
     sbx.update_network({})
     assert reaches(sbx, f"http://{OTHER}/") and reaches(sbx, f"http://{PLAIN}/")
+
+
+def test_egress_off_lets_nothing_out(e2b_env) -> None:
+    """`serve --egress off`: whatever the policy, nothing leaves (as before egress existed)."""
+    import tempfile
+
+    from e2b import Sandbox
+
+    from sdkharness import make_key, start_server
+
+    home = tempfile.mkdtemp(prefix="keepstate-egress-off-")
+    srv = start_server(home, pool=0, extra=("--reap-on-exit", "--egress", "off"))
+    opts = {"api_key": make_key(home), "api_url": srv.url, "sandbox_url": srv.url}
+    try:
+        sbx = Sandbox.create(timeout=120, **opts)
+        assert refused(sbx, f"http://{PLAIN}/")
+        assert refused(sbx, "http://169.254.169.254/")
+        assert sbx.kill() is True
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.proc.terminate()
+            srv.proc.wait(timeout=60)
