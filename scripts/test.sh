@@ -3,14 +3,21 @@
 # server with real gVisor sandboxes, with the newest e2b SDK, again with e2b==2.50.0 (the last on
 # the v1 routes) and the control-plane ones with e2b==2.45.0 (it checks the API key's format); the
 # agent tests run once more against an agent process on the host (what the router keeps private).
+# The templates are built first, on the real network (apt mirrors); everything after that runs inside a network
+# namespace of its own (scripts/isolated.sh) linked only to a fake internet (keepstate.testing.internet), so no
+# test can reach a real address whatever the code under test does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 
-names=$($BIN/python -c "from keepstate.template.definition import load_all; print(' '.join(load_all()))")
-for name in $names; do
-  $BIN/keepstate template build "$name" >/dev/null
-done
+if [ -z "${KEEPSTATE_TEST_ISOLATED:-}" ]; then
+  names=$($BIN/python -c "from keepstate.template.definition import load_all; print(' '.join(load_all()))")
+  for name in $names; do
+    $BIN/keepstate template build "$name" >/dev/null
+  done
+  KEEPSTATE_TEST_ISOLATED=1 KEEPSTATE_TEST_TEMPLATES=$names exec scripts/isolated.sh bash "$PWD/scripts/test.sh" "$@"
+fi
+names=$KEEPSTATE_TEST_TEMPLATES
 
 export KEEPSTATE_TEMPLATE_CACHE=/var/lib/keepstate/templates
 # Every server the tests start checks each control-plane response against docs/openapi.yaml: a violation is a 500.
@@ -19,12 +26,11 @@ export KEEPSTATE_TEST_HOME=$(mktemp -d /tmp/keepstate-test.XXXXXX)
 port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 export KEEPSTATE_TEST_API=http://127.0.0.1:$port
 logs=$KEEPSTATE_TEST_HOME/server.log
-KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
-  --warm "$(echo $names | tr ' ' ,)" --reap-on-exit \
-  >"$logs" 2>&1 &
-server=$!
+internet=$KEEPSTATE_TEST_HOME/internet.json
+server=
 cleanup() {
-  kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true
+  if [ -n "$server" ]; then kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true; fi
+  $BIN/python -m keepstate.testing.internet down --state "$internet" || true
   # The server's data directory (catalog, event logs, checkpoint store: ~200 MB) is kept only for a failed run.
   if [ "${status:-1}" -eq 0 ]; then
     rm -rf "$KEEPSTATE_TEST_HOME"
@@ -33,6 +39,24 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
+# The fake internet (DNS for *.test, HTTP/HTTPS sites, SOCKS5, a bulk server) as this namespace's only route out;
+# tests read its addresses from the state file (tests/sdk/sdkharness.py: fake_internet()).
+$BIN/python -m keepstate.testing.internet up --state "$internet"
+export KEEPSTATE_FAKE_INTERNET=$internet
+# The shared server resolves through the fake DNS and trusts the fake sites' CA (flags of the egress datapath:
+# passed only when this `keepstate serve` has them).
+serve_help=$($BIN/keepstate serve --help)
+serve_flags=()
+if grep -q -- --dns-upstream <<<"$serve_help"; then
+  serve_flags+=(--dns-upstream "$($BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["dns"])' "$internet")")
+fi
+if grep -q -- --egress-ca-bundle <<<"$serve_help"; then
+  serve_flags+=(--egress-ca-bundle "$($BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["ca_file"])' "$internet")")
+fi
+KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
+  --warm "$(echo $names | tr ' ' ,)" --reap-on-exit "${serve_flags[@]}" \
+  >"$logs" 2>&1 &
+server=$!
 for _ in $(seq 1 600); do
   curl -fsS "$KEEPSTATE_TEST_API/health" >/dev/null 2>&1 && break
   kill -0 "$server" 2>/dev/null || { cat "$logs"; echo "test server died" >&2; exit 1; }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import json
 import os
 import secrets
 import socket
@@ -68,14 +70,69 @@ class Server:
         return {**os.environ, "KEEPSTATE_HOME": self.home, "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
 
 
+def fake_internet() -> dict[str, Any] | None:
+    """The fake internet this test run is linked to (the state JSON `keepstate.testing.internet up` wrote, named by
+    KEEPSTATE_FAKE_INTERNET: addresses, names, DNS, SOCKS, CA file), or None when there is none."""
+    path = os.environ.get("KEEPSTATE_FAKE_INTERNET")
+    if not path:
+        return None
+    with open(path) as f:
+        state: dict[str, Any] = json.load(f)
+    return state
+
+
+def _netns_id(pid: str) -> tuple[int, int]:
+    st = os.stat(f"/proc/{pid}/ns/net")
+    return st.st_dev, st.st_ino
+
+
+def isolated() -> bool:
+    """Whether this process runs outside the host's root network namespace (scripts/isolated.sh): compared with
+    pid 1's namespace, or kthreadd's (pid 2, a kernel thread) where pid 1's is unreadable; False when unsure.
+    Mirrors keepstate.testing.internet.in_root_netns (no keepstate imports here)."""
+    own = _netns_id("self")
+    try:
+        return _netns_id("1") != own
+    except OSError:
+        pass
+    try:
+        with open("/proc/2/comm") as f:
+            if f.read().strip() == "kthreadd":
+                return _netns_id("2") != own
+    except OSError:
+        pass
+    return False
+
+
+@functools.cache
+def _serve_flags() -> frozenset[str]:
+    out = subprocess.run([str(KEEPSTATE), "serve", "--help"], capture_output=True, text=True).stdout
+    return frozenset(f for f in ("--dns-upstream", "--egress-ca-bundle") if f in out)
+
+
+def fake_internet_flags() -> tuple[str, ...]:
+    """`serve` flags that point a server at the fake internet (its resolver, its test CA), when there is one.
+    Each only if this `keepstate serve` has it (they come with the egress datapath)."""
+    state = fake_internet()
+    if state is None:
+        return ()
+    flags: list[str] = []
+    if "--dns-upstream" in _serve_flags():
+        flags += ["--dns-upstream", str(state["dns"])]
+    if "--egress-ca-bundle" in _serve_flags():
+        flags += ["--egress-ca-bundle", str(state["ca_file"])]
+    return tuple(flags)
+
+
 def start_server(home: str, port: int | None = None, pool: int = 2, extra: tuple[str, ...] = (),
                  template_cache: str | None = None) -> Server:
-    """Start `keepstate serve` in its own process group, as a user would."""
+    """Start `keepstate serve` in its own process group, as a user would (pointed at the fake internet, if any)."""
     port = port or free_port()
     env = {**os.environ, "KEEPSTATE_HOME": home, "KEEPSTATE_TEMPLATE_CACHE": template_cache or TEMPLATE_CACHE}
     log = open(Path(home) / "server.log", "ab")
     proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
-                             *extra], env=env, stdout=log, stderr=log, start_new_session=True)
+                             *fake_internet_flags(), *extra], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_health(url, proc)
     return Server(url=url, key="", home=home, proc=proc)
