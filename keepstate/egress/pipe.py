@@ -33,8 +33,7 @@ class Side:
         self.writer.transport.abort()
 
     async def close(self) -> None:
-        if self.writer.transport.is_closing():
-            return
+        """Flush and close (a TLS end also says close_notify); what does not finish in time is aborted."""
         self.writer.close()
         try:
             await asyncio.wait_for(self.writer.wait_closed(), CLOSE_WAIT_S)

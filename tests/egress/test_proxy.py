@@ -4,7 +4,7 @@ The datapath's dnat is played by the `original_dst` seam: each test takes a fres
 Linux lets a client bind to) and says what policy that "sandbox" has and which real server on 127.0.0.1 its
 connections were going to. The guard allows 127.0.0.1 (the test's servers) and denies every other address, as the
 always-denied set would. Upstream servers: an aiohttp header echo over HTTP and over HTTPS (a test CA), raw TCP
-servers for opaque protocols, and a minimal SOCKS5 server (below).
+servers for opaque protocols, and the fake internet's SOCKS5 server (run on loopback here).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from aiohttp import web
 from keepstate.egress.ca import CA
 from keepstate.egress.policy import Policy, parse
 from keepstate.egress.proxy import Proxy
+from keepstate.testing.internet_socks import serve_socks
 
 SECRETS = {"api_key": "sk-VALUE-never-shown-1234", "other": "second-VALUE-5678", "broken": "a\r\nInjected: yes"}
 NAMES = ["api.rule.test", "*.allowed.test", "other.test", "plain.test", "ws.rule.test"]
@@ -124,67 +125,6 @@ async def ups(upstream_ca: CA) -> AsyncIterator[Upstreams]:
     for s in servers:
         s.close()
     await runner.cleanup()
-
-
-# --- a minimal SOCKS5 server (RFC 1928 CONNECT, RFC 1929 user/password) ----------------------------------------
-
-@dataclass
-class Socks:
-    port: int
-    auth: tuple[str, str] | None
-    log: list[dict[str, Any]] = field(default_factory=list)
-
-
-async def socks_server(auth: tuple[str, str] | None) -> tuple[asyncio.Server, Socks]:
-    state = Socks(0, auth)
-
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        up: asyncio.StreamWriter | None = None
-        try:
-            _, n = await r.readexactly(2)
-            methods = await r.readexactly(n)
-            if auth:
-                if 2 not in methods:
-                    w.write(b"\x05\xff")
-                    return
-                w.write(b"\x05\x02")
-                _, ulen = await r.readexactly(2)
-                user = (await r.readexactly(ulen)).decode()
-                (plen,) = await r.readexactly(1)
-                pw = (await r.readexactly(plen)).decode()
-                if (user, pw) != auth:
-                    state.log.append({"result": "bad credentials"})
-                    w.write(b"\x01\x01")
-                    return
-                w.write(b"\x01\x00")
-            else:
-                w.write(b"\x05\x00")
-            _, cmd, _, atyp = await r.readexactly(4)
-            assert cmd == 1 and atyp == 1
-            host = socket.inet_ntoa(await r.readexactly(4))
-            port = int.from_bytes(await r.readexactly(2), "big")
-            state.log.append({"target": f"{host}:{port}", "result": "ok"})
-            ur, up = await asyncio.open_connection(host, port)
-            w.write(b"\x05\x00\x00\x01" + socket.inet_aton("127.0.0.1") + b"\x00\x00")
-
-            async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
-                while data := await a.read(65536):
-                    b.write(data)
-                    await b.drain()
-                if b.can_write_eof():
-                    b.write_eof()
-
-            await asyncio.gather(pipe(r, up), pipe(ur, w))
-        except (asyncio.IncompleteReadError, OSError):
-            pass
-        finally:
-            if up is not None:
-                up.close()
-            w.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    state.port = server.sockets[0].getsockname()[1]
-    return server, state
 
 
 # --- the proxy under test --------------------------------------------------------------------------------------
@@ -403,6 +343,20 @@ async def test_websocket_upgrade_rewritten_then_spliced(env: Env) -> None:
     assert first == {"x-key": SECRETS["other"]}
 
 
+async def test_a_slow_head_keeps_its_rules(env: Env) -> None:
+    """A client that sends its request head in pieces, slower than the proxy's wait for a first byte."""
+    src = env.sandbox(rule_policy(), env.ups.http)
+    r, w = await asyncio.open_connection("127.0.0.1", env.port, local_addr=(src, 0))
+    for piece in (b"GET /slow HTTP/1.1\r\nHo", b"st: api.rule.test\r\nConnection: close\r\n", b"\r\n"):
+        w.write(piece)
+        await w.drain()
+        await asyncio.sleep(0.4)  # deliberately slower than PEEK_S: the scenario, not a wait for a condition
+    response = await r.read()
+    w.close()
+    seen = json.loads(response.split(b"\r\n\r\n", 1)[1])
+    assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
+
+
 # --- names: SNI and Host ---------------------------------------------------------------------------------------
 
 def named() -> Policy:
@@ -492,9 +446,11 @@ async def test_an_unknown_source_is_reset(env: Env) -> None:
 # --- SOCKS5 upstream -------------------------------------------------------------------------------------------
 
 async def test_through_socks5_with_credentials(env: Env) -> None:
-    server, socks = await socks_server(("user", "pass-word"))
+    log: list[dict[str, Any]] = []
+    server = await serve_socks("127.0.0.1", 0, ("user", "pass-word"), {}, log)
+    socks_port = server.sockets[0].getsockname()[1]
     try:
-        policy = rule_policy(egressProxy={"address": f"127.0.0.1:{socks.port}", "username": "user",
+        policy = rule_policy(egressProxy={"address": f"127.0.0.1:{socks_port}", "username": "user",
                                           "password": "pass-word"})
         src = env.sandbox(policy, env.ups.https)
         async with env.session(src) as s:
@@ -502,11 +458,13 @@ async def test_through_socks5_with_credentials(env: Env) -> None:
                              server_hostname="api.rule.test", headers={"Host": "api.rule.test"}) as r:
                 seen = await r.json()
         assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
-        assert socks.log == [{"target": f"127.0.0.1:{env.ups.https}", "result": "ok"}]  # the address, not a name
-        bad = env.sandbox(rule_policy(egressProxy={"address": f"127.0.0.1:{socks.port}", "username": "user",
+        # the original address, never a name for the upstream to resolve
+        assert [(e["target"], e["atyp"], e["user"], e["result"]) for e in log] == [
+            (f"127.0.0.1:{env.ups.https}", "ipv4", "user", "ok")]
+        bad = env.sandbox(rule_policy(egressProxy={"address": f"127.0.0.1:{socks_port}", "username": "user",
                                                    "password": "wrong"}), env.ups.http)
         await expect_reset(env, bad, b"GET / HTTP/1.1\r\nHost: plain.test\r\n\r\n")
-        assert socks.log[-1] == {"result": "bad credentials"}
+        assert log[-1]["result"] == "bad credentials"
     finally:
         server.close()
 
@@ -545,6 +503,39 @@ async def test_200_concurrent_connections(env: Env) -> None:
     results = await asyncio.gather(*(one(i) for i in range(200)))
     assert sorted(r["path"] for r in results) == sorted(f"/c/{i}" for i in range(200))
     assert all(headers_of(r)["authorization"] == [f"Bearer {SECRETS['api_key']}"] for r in results)
+
+
+async def test_stop_resets_open_connections_and_leaves_no_task(env: Env, ups: Upstreams, upstream_ca: CA) -> None:
+    policy = rule_policy()
+    targets = {"127.1.251.1": ("127.0.0.1", ups.reverse), "127.1.251.2": ("127.0.0.1", ups.https)}
+    proxy = Proxy(lookup=lambda ip: policy, secret_value=SECRETS.get, ca=env.egress_ca,
+                  upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
+                  original_dst=lambda sock: targets[sock.getpeername()[0]])
+    others = {t for t in asyncio.all_tasks() if _is_proxy_task(t)}  # the module's proxy
+    await proxy.start("127.0.0.1", 0)
+    port = proxy.address[1]
+    r1, w1 = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.1.251.1", 0))
+    w1.write(b"\x00spliced, waiting")
+    await w1.drain()
+    r2, w2 = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.1.251.2", 0),
+                                           ssl=trusting(env.egress_ca), server_hostname="api.rule.test")
+    w2.write(b"POST /p HTTP/1.1\r\nHost: api.rule.test\r\nContent-Length: 100\r\n\r\nhalf a body")
+    await w2.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while proxy.connections < 2 and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    before = {t for t in asyncio.all_tasks() if _is_proxy_task(t)} - others
+    assert proxy.connections == 2 and len(before) >= 3  # the accept loop, two connections, their pumps
+    await proxy.stop()
+    with pytest.raises(ConnectionResetError):
+        await r1.read()
+    with pytest.raises((ConnectionResetError, ssl.SSLError, asyncio.IncompleteReadError)):
+        await r2.readexactly(1)
+    w1.close()
+    w2.close()
+    assert proxy.connections == 0
+    assert all(t.done() for t in before), [t for t in before if not t.done()]
 
 
 async def test_cut_resets_a_sandboxs_open_connections(env: Env) -> None:
