@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from keepstate.egress.pipe import CHUNK, Side, both, pump
 from keepstate.egress.policy import SECRET_REF, HeaderRule
 from keepstate.egress.sniff import host_header_name
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD = 65536
 LINGER_S = 2.0
@@ -217,6 +220,7 @@ async def relay(client: Side, upstream: Side, rewrite: Rewrite, up: Callable[[in
     try:
         await both(requests, responses, half_close=not (client.tls or upstream.tls))
     except Answer as a:
+        log.info("egress: answered %d: %s", a.status, a.message)  # names a host, header or secret, never a value
         answer = a.response()
         down(len(answer))
         client.writer.write(answer)

@@ -63,9 +63,16 @@ class Proxy:
                  ca: CA, upstream_trust: ssl.SSLContext, guard: Callable[[str], bool],
                  on_bytes: Callable[[str, int, int], None] = _nothing,
                  on_host: Callable[[str, str], None] = _nothing,
-                 original_dst: Callable[[socket.socket], tuple[str, int]] = so_original_dst) -> None:
+                 original_dst: Callable[[socket.socket], tuple[str, int]] = so_original_dst,
+                 max_connections: int = 0,
+                 resolved: Callable[[str, str, str], bool] | None = None) -> None:
+        """`max_connections` > 0 caps one sandbox's concurrent proxied connections (`serve
+        --egress-max-connections`: the forward chain's `ct count` never sees these, they end at the proxy).
+        `resolved(source, name, ip)`: whether the sandbox's resolver answered `name` with `ip`; given, a secret
+        travels in plain HTTP only to such an address (see `_rewriter`)."""
         self.lookup, self.secret_value, self.ca, self.upstream_trust = lookup, secret_value, ca, upstream_trust
         self.guard, self.on_bytes, self.on_host, self.original_dst = guard, on_bytes, on_host, original_dst
+        self.max_connections, self.resolved = max_connections, resolved
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._by_source: dict[str, set[asyncio.Task[None]]] = {}
@@ -133,6 +140,10 @@ class Proxy:
                 continue
             conn.setblocking(False)
             source = addr[0]
+            if self.max_connections and len(self._by_source.get(source, ())) >= self.max_connections:
+                log.info("egress %s: refused: over %d concurrent connections", source, self.max_connections)
+                reset_socket(conn)
+                continue
             task = asyncio.create_task(self._serve(conn, source))
             self._by_source.setdefault(source, set()).add(task)
             task.add_done_callback(functools.partial(self._done, source))
@@ -219,7 +230,9 @@ class Proxy:
     def _rewriter(self, source: str, policy: Policy, seen: Sniffed, ip: str,
                   rules: tuple[HeaderRule, ...]) -> Callable[[Request], None]:
         """Each request's headers set. Over TLS the rules are the SNI's (the upstream proved that name); over plain
-        HTTP each request's own Host picks them, and with a "name" verdict that Host must be allowed too."""
+        HTTP each request's own Host picks them, and with a "name" verdict that Host must be allowed too. Plain
+        HTTP proves nothing about the server, so with `resolved` a secret goes only to an address the sandbox's
+        resolver gave for that name: else a sandbox could send `Host: api.example.com` to a server of its own."""
         named = policy.ip_verdict(ip) == "name"
 
         def rewrite(req: Request) -> None:
@@ -228,7 +241,12 @@ class Proxy:
                 host = req.host or ip
                 if named and not policy.domain_allowed(host):
                     raise Answer(403, f"the sandbox's network policy does not allow {host}")
-                these = policy.rules_for(host) or policy.rules_for(ip)
+                these = policy.rules_for(host)
+                if these and self.resolved is not None and host != ip and any(r.secret_names() for r in these) \
+                        and not self.resolved(source, host, ip):
+                    raise Answer(502, f"the egress rule for {host} sends a secret, and over plain HTTP only to an "
+                                      f"address the sandbox's resolver gave for {host}, which {ip} is not")
+                these = these or policy.rules_for(ip)
             names = set_rule_headers(req, host, these, self.secret_value)
             log.debug("egress %s → %s: %s %s, set %s", source, host, req.method, req.target.split("?")[0][:200],
                       ", ".join(names))

@@ -291,6 +291,28 @@ async def test_a_missing_secret_is_a_502_naming_it_and_no_value(env: Env) -> Non
     assert len(env.ups.seen) == before  # nothing went upstream
 
 
+async def test_plain_http_secrets_go_only_to_an_address_resolved_for_the_name(env: Env, ups: Upstreams,
+                                                                             upstream_ca: CA) -> None:
+    answers = {("127.1.253.1", "api.rule.test", "127.0.0.1")}
+    proxy = Proxy(lookup=lambda ip: rule_policy(), secret_value=SECRETS.get, ca=env.egress_ca,
+                  upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
+                  original_dst=lambda sock: ("127.0.0.1", ups.http), resolved=lambda *a: a in answers)
+    await proxy.start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{proxy.address[1]}/"
+    try:
+        async with env.session("127.1.253.1") as s:  # its resolver gave 127.0.0.1 for api.rule.test
+            async with s.get(url, headers={"Host": "api.rule.test"}) as r:
+                assert headers_of(await r.json())["authorization"] == [f"Bearer {SECRETS['api_key']}"]
+        before = len(ups.seen)
+        async with env.session("127.1.253.2") as s:  # claims the name for an address never resolved for it
+            async with s.get(url, headers={"Host": "api.rule.test"}) as r:
+                assert r.status == 502
+                body = await r.text()
+        assert "resolver" in body and SECRETS["api_key"] not in body and len(ups.seen) == before
+    finally:
+        await proxy.stop()
+
+
 async def test_a_secret_holding_a_line_break_is_refused_not_injected(env: Env) -> None:
     src = env.sandbox(rule_policy(), env.ups.http)
     before = len(env.ups.seen)
@@ -536,6 +558,35 @@ async def test_stop_resets_open_connections_and_leaves_no_task(env: Env, ups: Up
     w2.close()
     assert proxy.connections == 0
     assert all(t.done() for t in before), [t for t in before if not t.done()]
+
+
+async def test_a_sandbox_over_its_connection_limit_is_reset(env: Env, ups: Upstreams, upstream_ca: CA) -> None:
+    proxy = Proxy(lookup=lambda ip: default(), secret_value=SECRETS.get, ca=env.egress_ca,
+                  upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
+                  original_dst=lambda sock: ("127.0.0.1", ups.reverse), max_connections=2)
+    await proxy.start("127.0.0.1", 0)
+    port = proxy.address[1]
+    try:
+        held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.1.252.1", 0)) for _ in range(2)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while proxy.connections < 2 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.1.252.1", 0))
+        with pytest.raises(ConnectionResetError):
+            await r.read()
+        w.close()
+        other = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.1.252.2", 0))  # another sandbox
+        other[1].write(b"\x00ok")
+        other[1].write_eof()
+        assert await other[0].read() == b"ko\x00"
+        other[1].close()
+        for hr, hw in held:
+            hw.write_eof()
+            assert await hr.read() == b""
+            hw.close()
+    finally:
+        await proxy.stop()
 
 
 async def test_cut_resets_a_sandboxs_open_connections(env: Env) -> None:
