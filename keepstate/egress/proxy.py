@@ -192,6 +192,8 @@ class Proxy:
             ip, port = self.original_dst(conn)
         except OSError as e:
             raise Refused(f"no original destination ({e})") from None
+        if (ip, port) == tuple(conn.getsockname()[:2]):
+            raise Refused("not redirected (its original destination is the proxy itself)")  # never dial ourselves
         if self.guard(ip):
             raise Refused(f"{ip} is always denied")
         seen = final(await self._peek(conn))
