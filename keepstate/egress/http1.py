@@ -138,20 +138,12 @@ def _fill(template: str, host: str, header: str, secret_value: Callable[[str], s
         if v is None:
             raise Answer(502, f"the secret {secret!r} that the egress rule for {host} sets in {header} "
                               f"does not exist")
-        if any(c in v for c in "\r\n\0") or not _latin1(v):
+        if any(c in v for c in "\r\n\0"):
             raise Answer(502, f"the secret {secret!r} that the egress rule for {host} sets in {header} "
-                              f"holds a line break, NUL or a character beyond Latin-1, which a header cannot carry")
-        return v
+                              f"holds a line break or NUL, which a header cannot carry")
+        return v.encode().decode("latin-1")  # heads are kept as Latin-1 text: this sends the value's UTF-8 bytes
 
     return SECRET_REF.sub(value, template)
-
-
-def _latin1(v: str) -> bool:
-    try:
-        v.encode("latin-1")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def read_head(reader: asyncio.StreamReader) -> bytes | None:

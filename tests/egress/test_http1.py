@@ -66,8 +66,13 @@ def test_rules_replace_case_insensitively_and_fill_secrets() -> None:
     assert req.get("content-length") is None  # framing headers are never set by a rule
 
 
-@pytest.mark.parametrize("template,named", [("${e2b.secrets.gone}", "'gone'"), ("${e2b.secrets.nl}", "'nl'"),
-                                            ("${e2b.secrets.wide}", "'wide'")])
+def test_a_value_beyond_latin1_goes_as_its_utf8_bytes() -> None:
+    req = parse_head(head("GET / HTTP/1.1", "Host: api.test"))
+    set_rule_headers(req, "api.test", (HeaderRule((("X-W", "${e2b.secrets.wide}"),)),), SECRETS.get)
+    assert b"X-W: snow\xe2\x98\x83\r\n" in req.encode()
+
+
+@pytest.mark.parametrize("template,named", [("${e2b.secrets.gone}", "'gone'"), ("${e2b.secrets.nl}", "'nl'")])
 def test_unusable_secrets_are_a_502_naming_them_and_nothing_is_set(template: str, named: str) -> None:
     req = parse_head(head("GET / HTTP/1.1", "Host: api.test"))
     before = list(req.headers)
