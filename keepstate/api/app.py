@@ -27,14 +27,17 @@ from keepstate.sandbox.admission import AdmissionConfig
 from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
+from keepstate.secret import SecretStore
+from keepstate.secret.crypto import KEY_FILE, Sealer
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
 from keepstate.volume import Volumes
 from keepstate.volume.store import DEFAULT_SIZE_MB
 
 from . import control, events, logs
+from . import secrets as secret_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, CATALOG, ENVD_VERSION, MANAGER, VOLUMES
+from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
 from .router import Router, target_of
 from .spec import validating_middleware
 
@@ -64,6 +67,9 @@ class ServerConfig:
     volume_backend: str = "ext4"  # one loop-mounted ext4 image per volume; "dir": plain directories
     boot_images: bool = True  # restore new sandboxes from a checkpoint of a fresh boot (sandbox/boot_images.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # start queue and limits (admission.md)
+    # None: secret/crypto.py's load_key (<home>/secrets.key, KEEPSTATE_SECRETS_KEY). Never in a repr.
+    secrets_key: bytes | None = field(default=None, repr=False)
+    domain: str | None = None  # port URLs' <port>-<id>.<domain>; default localhost:<port> (api/listeners.py)
 
 
 def _envd_version() -> str:
@@ -142,6 +148,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     durable = Durability(config.home, runtime, templates, config.store_url)
     durable.clear_images()
     volumes = Volumes(config.home, catalog, config.volume_backend, config.volume_size_mb)
+    secret_store = SecretStore(catalog, Sealer(config.secrets_key)) if config.secrets_key is not None else \
+        SecretStore.open(catalog, config.home / KEY_FILE)
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
     if config.gateway_config is not None:
@@ -158,7 +166,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
-                             boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after)
+                             boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after,
+                             secrets=secret_store)
     router = Router(manager)
     keys = KeyCache(catalog)
 
@@ -188,6 +197,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[CATALOG] = catalog
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
+    app[SECRETS] = secret_store
+    app[DOMAIN] = config.domain or f"localhost:{config.port}"
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
     app.add_routes(control.routes)
@@ -195,6 +206,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app.add_routes(logs.routes)
     app.add_routes(template_routes.routes)
     app.add_routes(volume_routes.routes)
+    app.add_routes(secret_routes.routes)
 
     gateway_runner: list[web.AppRunner] = []
 

@@ -14,7 +14,7 @@ from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.state import State
 
 from . import schemas
-from .keys import API_KEY_ID, ENVD_VERSION, MANAGER
+from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER
 
 routes = web.RouteTableDef()
 MAX_METRICS_IDS = 100
@@ -28,6 +28,10 @@ def manager(request: web.Request) -> SandboxManager:
 
 def envd_version(request: web.Request) -> str:
     return request.app[ENVD_VERSION]
+
+
+def domain(request: web.Request) -> str | None:
+    return request.app.get(DOMAIN)
 
 
 async def json_body(request: web.Request, required: bool = True) -> Any:
@@ -67,7 +71,7 @@ async def health(request: web.Request) -> web.Response:
 async def create(request: web.Request) -> web.Response:
     req = schemas.parse_create(await json_body(request))
     row = await manager(request).create(req, request.get(API_KEY_ID))
-    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201)
+    return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)
 
 
 @routes.post("/v2/sandboxes/{sandbox_id}/connect")
@@ -85,7 +89,8 @@ async def connect(request: web.Request) -> web.Response:
         row, resumed = await manager(request).connect(sid(request), timeout)
     except NotFound:
         raise NotFound(f"Paused sandbox {sid(request)} not found") from None
-    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201 if resumed else 200)
+    return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)),
+                             status=201 if resumed else 200)
 
 
 @routes.get("/sandboxes/metrics")
@@ -127,7 +132,7 @@ async def resume(request: web.Request) -> web.Response:
         row = await manager(request).resume(sid(request), timeout, auto_pause)
     except NotFound:
         raise NotFound(f"Paused sandbox {sid(request)} not found") from None
-    return web.json_response(schemas.sandbox(row, envd_version(request)), status=201)
+    return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)
 
 
 @routes.post("/sandboxes/{sandbox_id}/refreshes")
@@ -139,7 +144,7 @@ async def refresh(request: web.Request) -> web.Response:
 @routes.get(ONE_SANDBOX)
 async def get_info(request: web.Request) -> web.Response:
     row = manager(request).get(sid(request))
-    return web.json_response(schemas.detail(row, envd_version(request)))
+    return web.json_response(schemas.detail(row, envd_version(request), domain(request)))
 
 
 @routes.delete(ONE_SANDBOX)
@@ -162,7 +167,7 @@ async def list_v2(request: web.Request) -> web.Response:
     headers = {"X-Total-Running": str(sum(1 for r in rows if schemas.PUBLIC.get(r.state) == "running"))}
     if token:
         headers["X-Next-Token"] = token
-    return web.json_response([schemas.listed(r, envd_version(request)) for r in page], headers=headers)
+    return web.json_response([schemas.listed(r, envd_version(request), domain(request)) for r in page], headers=headers)
 
 
 @routes.get("/sandboxes")
@@ -178,7 +183,7 @@ async def list_v1(request: web.Request) -> web.Response:
         if not token:
             break
         query["nextToken"] = token
-    return web.json_response([schemas.listed(r, envd_version(request)) for r in out])
+    return web.json_response([schemas.listed(r, envd_version(request), domain(request)) for r in out])
 
 
 @routes.get("/sandboxes/{sandbox_id}/metrics")
@@ -253,7 +258,7 @@ async def fork(request: web.Request) -> web.Response:
     out = []
     for r in results:
         if r.row is not None:
-            out.append({"sandbox": schemas.sandbox(r.row, envd_version(request))})
+            out.append({"sandbox": schemas.sandbox(r.row, envd_version(request), domain(request))})
         else:
             exc = r.error
             body_ = exc.body() if isinstance(exc, KeepStateError) else \

@@ -6,10 +6,13 @@ from aiohttp import web
 
 from keepstate.db.catalog import Catalog
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.secret import SecretStore
 from keepstate.volume import Volumes
 
 MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
 CATALOG: web.AppKey[Catalog] = web.AppKey("catalog", Catalog)
 ENVD_VERSION: web.AppKey[str] = web.AppKey("envd_version", str)
 VOLUMES: web.AppKey[Volumes] = web.AppKey("volumes", Volumes)
+SECRETS: web.AppKey[SecretStore] = web.AppKey("secrets", SecretStore)
+DOMAIN: web.AppKey[str] = web.AppKey("domain", str)  # port URLs are <port>-<sandboxID>.<domain> (serve --domain)
 API_KEY_ID: web.RequestKey[str] = web.RequestKey("api_key_id", str)  # the caller's key, set by the middleware

@@ -28,8 +28,10 @@ from keepstate.sandbox.agent_client import InFlight
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.record import SandboxRow
 
+from .inbound import TOKEN_HEADER, Inbound
+
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-        "transfer-encoding", "upgrade", "host", "content-length"}
+        "transfer-encoding", "upgrade", "host", "content-length", TOKEN_HEADER}
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
 CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
@@ -91,6 +93,7 @@ class Router:
         self.manager = manager
         self.agents = manager.agents
         self.max_upload = max_upload
+        self.inbound = Inbound(manager)
 
     async def stop(self) -> None:
         pass  # the AgentClient closes its pools when the manager stops
@@ -112,7 +115,18 @@ class Router:
         await self.agents.admit(sandbox_id)  # a snapshot or fork in progress: wait for it
         row = self.manager.route(sandbox_id)
         if row is None:
-            return not_found(sandbox_id)
+            known = self.manager.records.get(sandbox_id)
+            refused = self.inbound.refuse(request, known, port) if known is not None else None
+            answer = refused or await self.inbound.wake(sandbox_id)  # the token first: no stranger wakes it
+            if answer is not None:
+                return answer
+            await self.agents.admit(sandbox_id)
+            row = self.manager.route(sandbox_id)
+            if row is None:
+                return not_found(sandbox_id)
+        refused = self.inbound.refuse(request, row, port)
+        if refused is not None:
+            return refused
         if port == AGENT_PORT and private(request.path):
             return web.json_response({"code": 403, "message": f"{request.path} is reserved for the host"},
                                      status=403)
@@ -152,16 +166,19 @@ class Router:
     async def _http(self, request: web.Request, row: SandboxRow, port: int, flight: InFlight) -> web.StreamResponse:
         client = self.agents.proxy_session(row.sandbox_id)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        scheme, host = self.inbound.upstream(row, port)
+        if host is not None:
+            headers["Host"] = host
         data: Any = None
         if request.body_exists:
             if request.content_length is not None:
                 headers["Content-Length"] = str(request.content_length)
             data = request.content.iter_any()
-        url = f"http://{row.address}:{port}{request.rel_url}"
+        url = f"{scheme}://{row.address}:{port}{request.rel_url}"
         asked = time.monotonic()
         try:
             upstream_cm = client.request(request.method, url, headers=headers, data=data,
-                                         allow_redirects=False, compress=None)
+                                         allow_redirects=False, compress=None, ssl=False)
             upstream = await upstream_cm.__aenter__()
         except asyncio.CancelledError:
             # The client gave up waiting (its timeout): say how long the sandbox left it without an answer, the
@@ -225,9 +242,12 @@ class Router:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in _HOP and not k.lower().startswith("sec-websocket")}
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        scheme, host = self.inbound.upstream(row, port)
+        if host is not None:
+            headers["Host"] = host
         try:
-            upstream = await client.ws_connect(f"http://{row.address}:{port}{request.rel_url}",
-                                                     headers=headers, protocols=protocols)
+            upstream = await client.ws_connect(f"{scheme}://{row.address}:{port}{request.rel_url}",
+                                               headers=headers, protocols=protocols, ssl=False)
         except aiohttp.ClientConnectorError:
             return port_closed(row.sandbox_id, port)
         except aiohttp.WSServerHandshakeError as exc:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, overload
 from urllib.parse import unquote
 
+from keepstate.egress import policy
 from keepstate.errors import BadRequest
 from keepstate.mountpoints import VOLUME_SLOTS
 from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
@@ -175,12 +176,33 @@ def parse_create(body: Any) -> CreateRequest:
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
+    network = policy.parse(body.get("network"), allow_internet_access=aia)
+    auto_resume = parse_auto_resume(body.get("autoResume"))
+    if auto_resume and not auto_pause:
+        raise BadRequest("`autoResume` needs `autoPause: true` (lifecycle on_timeout \"pause\"): only a paused "
+                         "sandbox can be resumed by its traffic")
+    if auto_resume and not pause_memory:
+        raise BadRequest("`autoResume` cannot be combined with `autoPauseMemory: false`: a filesystem-only pause "
+                         "is resumed explicitly (Sandbox.connect)")
     return CreateRequest(
         template_id=template.strip(), timeout=timeout, metadata=_str_map(body, "metadata"),
         env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem, disk_mb=disk,
         auto_pause_memory=pause_memory, allow_internet_access=aia, gateway=gateway,
         volume_mounts=parse_volume_mounts(body.get("volumeMounts")),
+        network=network.to_json(), auto_resume=auto_resume,
     )
+
+
+def parse_auto_resume(value: Any) -> bool:
+    """`autoResume` of a create: E2B's `{"enabled": bool}` (the SDK's wire), its earlier `{"policy": "any"|"off"}`,
+    or a bare boolean; absent or null is off."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, dict) and set(value) == {"enabled"} and isinstance(value["enabled"], bool):
+        return value["enabled"]
+    if isinstance(value, dict) and set(value) == {"policy"} and value["policy"] in ("any", "off"):
+        return value["policy"] == "any"
+    raise BadRequest('`autoResume` must be {"enabled": true|false} (or {"policy": "any"|"off"}, or a boolean)')
 
 
 MAX_MOUNTS = VOLUME_SLOTS  # the runtime has this many mount points for volumes
@@ -353,16 +375,19 @@ def parse_resume_body(body: dict[str, Any]) -> tuple[int, bool | None, bool]:
     return timeout, auto_pause, _memory(body)
 
 
-def sandbox(row: SandboxRow, envd_version: str) -> dict[str, Any]:
+def sandbox(row: SandboxRow, envd_version: str, domain: str | None = None) -> dict[str, Any]:
+    """Create's, connect's, resume's and fork's answer. `domain` is the server's (`serve --domain`): the SDK's
+    `get_host(port)` is `<port>-<sandboxID>.<domain>`, which the router serves."""
     return {
         "templateID": row.template_id, "sandboxID": row.sandbox_id, "alias": row.template_id,
         "clientID": CLIENT_ID, "envdVersion": envd_version, "envdAccessToken": row.access_token,
-        "trafficAccessToken": None, "domain": None,
+        "trafficAccessToken": row.settings.traffic_token, "domain": domain,
     }
 
 
-def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
+def _common(row: SandboxRow, envd_version: str, domain: str | None = None) -> dict[str, Any]:
     return {
+        "domain": domain,
         "templateID": row.template_id, "alias": row.template_id, "sandboxID": row.sandbox_id,
         "clientID": CLIENT_ID, "startedAt": rfc3339(row.started_at), "endAt": rfc3339(row.end_at),
         "envdVersion": envd_version, "cpuCount": max(1, int(row.cpu)), "memoryMB": row.memory_mb,
@@ -372,20 +397,21 @@ def _common(row: SandboxRow, envd_version: str) -> dict[str, Any]:
     }
 
 
-def detail(row: SandboxRow, envd_version: str) -> dict[str, Any]:
-    out = _common(row, envd_version)
+def detail(row: SandboxRow, envd_version: str, domain: str | None = None) -> dict[str, Any]:
+    out = _common(row, envd_version, domain)
     if PUBLIC.get(row.state) == "paused":
         out["pauseMode"] = "filesystem" if row.settings.files_only else "full"
     out.update({
-        "envdAccessToken": row.access_token, "domain": None,
+        "envdAccessToken": row.access_token, "trafficAccessToken": row.settings.traffic_token,
         "allowInternetAccess": row.settings.allow_internet_access,
-        "lifecycle": {"autoResume": False, "onTimeout": "pause" if row.settings.auto_pause else "kill"},
+        "lifecycle": {"autoResume": row.settings.auto_resume,
+                      "onTimeout": "pause" if row.settings.auto_pause else "kill"},
     })
     return out
 
 
-def listed(row: SandboxRow, envd_version: str) -> dict[str, Any]:
-    return _common(row, envd_version)
+def listed(row: SandboxRow, envd_version: str, domain: str | None = None) -> dict[str, Any]:
+    return _common(row, envd_version, domain)
 
 
 # -- list filters ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "events": ("keepstate.cli.events:events", "Read and verify a session's causal history."),
     "gateway": ("keepstate.cli.gateway:gateway", "Run the model-call metering gateway alone."),
     "ledger": ("keepstate.cli.ledger:ledger", "Show and reconcile the model-call ledger."),
+    "tls": ("keepstate.cli.tls:tls", "The router's TLS CA: where it is and how to trust it."),
 }
 
 

@@ -67,11 +67,29 @@ from .common import Command, home_option
 @click.option("--max-sandboxes-per-key", type=click.IntRange(min=0), default=MAX_SANDBOXES_PER_KEY, show_default=True,
               help="Running sandboxes of one API key at once (paused ones do not count); beyond is a 429. 0: no "
                    "limit. A key's own limit (`keepstate keys limit NAME N`) wins.")
+@click.option("--domain", default=None, envvar="KEEPSTATE_DOMAIN",
+              help="The domain of port URLs: the SDK's get_host(port) is <port>-<sandboxID>.<domain>, and the router "
+                   "serves that Host. Point a wildcard DNS name (*.DOMAIN) at this host. Default localhost:<port> "
+                   "(the TLS port when TLS is on): every *.localhost name is loopback.")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve the router over TLS too with this certificate chain (PEM; e.g. a wildcard for *.DOMAIN).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The private key of --tls-cert (PEM).")
+@click.option("--tls-self-signed", is_flag=True,
+              help="Serve the router over TLS with certificates this server's own CA issues per host name "
+                   "(<home>/tls/router-ca.pem; `keepstate tls trust` shows how to trust it). For development.")
+@click.option("--tls-listen", default=None,
+              help="HOST:PORT of the TLS listener (same routes as --listen). Default <listen host>:3443 when TLS "
+                   "is on.")
 @click.option("--reap-on-exit", is_flag=True,
               help="Destroy this server's sandboxes when it stops (for tests; normally they outlive it).")
 @click.option("--runtime", "runtime_kind", default="gvisor", show_default=True, type=click.Choice(["gvisor", "fake"]),
               help="Sandbox engine. `fake` runs keepstate.testing.FakeRuntime: in-process fake sandboxes with no "
                    "isolation and no command execution, for tests of the API and lifecycle only.")
+@click.option("--secrets-key-file", type=click.Path(dir_okay=False), default=None,
+              help="The key secrets are encrypted with at rest (AES-256-GCM): 32 bytes, raw or base64. Default "
+                   "<home>/secrets.key, made (mode 0600) on first use; keep it apart from the catalog's backups. "
+                   "KEEPSTATE_SECRETS_KEY (base64) overrides it.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @home_option
@@ -79,8 +97,9 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
           gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
           disk_mb: int, volume_size_mb: int,
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
-          max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, reap_on_exit: bool,
-          runtime_kind: str, log_level: str) -> None:
+          max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, domain: str | None,
+          tls_cert: str | None, tls_key: str | None, tls_self_signed: bool, tls_listen: str | None,
+          reap_on_exit: bool, runtime_kind: str, secrets_key_file: str | None, log_level: str) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -91,14 +110,22 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
     Sandboxes outlive the server: stop it (or kill -9 it) and start it again, and it
     re-adopts every sandbox that is still running.
     """
-    from aiohttp import web
-
+    from keepstate.api import listeners
     from keepstate.api.app import ServerConfig, create_app
     from keepstate.sandbox.admission import AdmissionConfig
+    from keepstate.secret.crypto import KEY_FILE, load_key
     from keepstate.template import builder
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # First: KEEPSTATE_SECRETS_KEY leaves the environment before any child process (a template build) could
+    # inherit it.
+    secrets_key = load_key(Path(secrets_key_file) if secrets_key_file else home() / KEY_FILE)
     host, _, port = listen.rpartition(":")
+    try:  # before any build: a wrong TLS option fails at once
+        sites, domain = listeners.plan(home(), host or "127.0.0.1", int(port), domain, tls_cert, tls_key,
+                                       tls_self_signed, tls_listen)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
         for name in warm_names:
@@ -109,7 +136,8 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
-                          volume_backend=volume_backend, boot_images=boot_images,
+                          volume_backend=volume_backend, boot_images=boot_images, domain=domain,
+                          secrets_key=secrets_key,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key))
@@ -119,7 +147,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    click.echo(f"keepstate: serving on http://{config.host}:{config.port} (data in {config.home})", err=True)
+    click.echo(f"keepstate: serving on {', '.join(s.url for s in sites)}, port URLs <port>-<id>.{domain} "
+               f"(data in {config.home})", err=True)
     # auto_decompress=False: the router forwards request bodies as they came (gzip uploads stay gzip).
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                access_log=None, handle_signals=True, shutdown_timeout=5, auto_decompress=False)
+    listeners.run(create_app(config), sites, access_log=None, shutdown_timeout=5, auto_decompress=False)

@@ -1,4 +1,4 @@
-"""The catalog: API keys, sandboxes, snapshots and volumes, in SQLite (WAL) behind a small interface.
+"""The catalog: API keys, sandboxes, snapshots, volumes and secrets, in SQLite (WAL) behind a small interface.
 
 Everything the server must remember across a crash lives here, so a server killed with
 SIGKILL and started again re-adopts every live sandbox. The interface is narrow on purpose
@@ -14,6 +14,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,29 @@ CREATE TABLE IF NOT EXISTS volumes (
 """
 
 # Version 1 (no `schema_version` in meta) had no api_keys.max_sandboxes; what turns it into version 2:
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _MIGRATE_1_TO_2 = ("ALTER TABLE api_keys ADD COLUMN max_sandboxes INTEGER",)
+# Version 3 adds the secrets (keepstate/secret/): a row per secret, a row per version holding only ciphertext
+# (AES-256-GCM, sealed by keepstate.secret.crypto; this module never sees a value). `seq` orders the list and is
+# its paging cursor. A release reading version 2 refuses a version 3 catalog rather than ignore its secrets.
+_MIGRATE_2_TO_3 = (
+    """CREATE TABLE IF NOT EXISTS secrets (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        secret_id TEXT NOT NULL UNIQUE,
+        name TEXT NOT NULL UNIQUE,
+        current_version INTEGER NOT NULL,
+        metadata TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS secret_versions (
+        secret_id TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        sealed BLOB NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (secret_id, version)
+    )""",
+)
 
 
 class CatalogError(RuntimeError):
@@ -89,6 +111,19 @@ CREATE TABLE IF NOT EXISTS teardowns (
     created_at REAL NOT NULL
 );
 """
+
+
+@dataclass(frozen=True)
+class SecretRow:
+    """A secret's record without its value (the catalog holds only ciphertext, in `secret_versions`)."""
+
+    secret_id: str
+    name: str
+    current_version: int
+    metadata: dict[str, str]
+    created_at: float
+    updated_at: float
+    seq: int
 
 
 @dataclass
@@ -143,6 +178,9 @@ class Catalog:
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(api_keys)")}
             if version < 2 and "max_sandboxes" not in columns:  # a new catalog has it from SCHEMA already
                 for stmt in _MIGRATE_1_TO_2:
+                    self._db.execute(stmt)
+            if version < 3:
+                for stmt in _MIGRATE_2_TO_3:
                     self._db.execute(stmt)
             self._db.execute("INSERT INTO meta (k,v) VALUES ('schema_version',?) ON CONFLICT(k) DO UPDATE "
                              "SET v=excluded.v", (str(SCHEMA_VERSION),))
@@ -301,6 +339,94 @@ class Catalog:
     def _volume(r: sqlite3.Row) -> VolumeRecord:
         return VolumeRecord(volume_id=r["volume_id"], name=r["name"], token=r["token"], size_mb=r["size_mb"],
                             created_at=r["created_at"])
+
+    # -- secrets (keepstate/secret/store.py; values arrive and leave sealed) --------------------------------------
+    def put_secret(self, row: SecretRow, sealed: bytes) -> SecretRow:
+        """Record a new secret and its version 1; Conflict when its name is taken (UNIQUE decides a race)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO secrets (secret_id,name,current_version,metadata,created_at,updated_at) "
+                    "VALUES (?,?,?,?,?,?)", (row.secret_id, row.name, row.current_version,
+                                             json.dumps(row.metadata), row.created_at, row.updated_at))
+                self._db.execute("INSERT INTO secret_versions (secret_id,version,sealed,created_at) VALUES (?,?,?,?)",
+                                 (row.secret_id, row.current_version, sealed, row.created_at))
+                self._db.execute("COMMIT")
+            except sqlite3.IntegrityError:
+                self._db.execute("ROLLBACK")
+                raise Conflict(f"a secret named '{row.name}' exists") from None
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return SecretRow(row.secret_id, row.name, row.current_version, row.metadata, row.created_at,
+                         row.updated_at, int(cur.lastrowid or 0))
+
+    def add_secret_version(self, secret_id: str, seal: Callable[[int], bytes], metadata: dict[str, str] | None,
+                           now: float) -> SecretRow | None:
+        """Store the secret's next version, sealed by `seal(version)` inside the transaction (so two updates cannot
+        both take one number); `metadata` replaces the stored one unless None. None: no such secret."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                found = self._db.execute("SELECT * FROM secrets WHERE secret_id=?", (secret_id,)).fetchone()
+                if found is None:
+                    self._db.execute("ROLLBACK")
+                    return None
+                version = int(found["current_version"]) + 1
+                self._db.execute("INSERT INTO secret_versions (secret_id,version,sealed,created_at) VALUES (?,?,?,?)",
+                                 (secret_id, version, seal(version), now))
+                if metadata is None:
+                    self._db.execute("UPDATE secrets SET current_version=?, updated_at=? WHERE secret_id=?",
+                                     (version, now, secret_id))
+                else:
+                    self._db.execute("UPDATE secrets SET current_version=?, updated_at=?, metadata=? WHERE "
+                                     "secret_id=?", (version, now, json.dumps(metadata), secret_id))
+                row = self._db.execute("SELECT * FROM secrets WHERE secret_id=?", (secret_id,)).fetchone()
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return self._secret(row)
+
+    def get_secret(self, secret_id: str) -> SecretRow | None:
+        rows = self._q("SELECT * FROM secrets WHERE secret_id=?", (secret_id,))
+        return self._secret(rows[0]) if rows else None
+
+    def secret_by_name(self, name: str) -> SecretRow | None:
+        rows = self._q("SELECT * FROM secrets WHERE name=?", (name,))
+        return self._secret(rows[0]) if rows else None
+
+    def secrets_after(self, seq: int, limit: int) -> list[SecretRow]:
+        """Up to `limit` secrets created after the one numbered `seq` (0: from the first), oldest first."""
+        rows = self._q("SELECT * FROM secrets WHERE seq>? ORDER BY seq LIMIT ?", (seq, limit))
+        return [self._secret(r) for r in rows]
+
+    def secret_sealed(self, secret_id: str, version: int) -> bytes | None:
+        rows = self._q("SELECT sealed FROM secret_versions WHERE secret_id=? AND version=?", (secret_id, version))
+        return bytes(rows[0]["sealed"]) if rows else None
+
+    def count_secrets(self) -> int:
+        return int(self._q("SELECT COUNT(*) FROM secrets")[0][0])
+
+    def delete_secret(self, secret_id: str) -> bool:
+        """Forget the secret and every version's ciphertext, in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                gone = self._db.execute("DELETE FROM secrets WHERE secret_id=?", (secret_id,)).rowcount > 0
+                self._db.execute("DELETE FROM secret_versions WHERE secret_id=?", (secret_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return gone
+
+    @staticmethod
+    def _secret(r: sqlite3.Row) -> SecretRow:
+        return SecretRow(secret_id=r["secret_id"], name=r["name"], current_version=r["current_version"],
+                         metadata=json.loads(r["metadata"]), created_at=r["created_at"],
+                         updated_at=r["updated_at"], seq=r["seq"])
 
     # -- teardowns (docs/design/teardown.md) ---------------------------------------------------------------------
     def put_teardown(self, runtime_name: str, slot: int) -> None:

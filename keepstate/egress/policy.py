@@ -17,7 +17,8 @@ from keepstate.errors import BadRequest
 
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALL_TRAFFIC = "0.0.0.0/0"
-SECRET_REF = re.compile(r"\$\{e2b\.secrets\.([A-Za-z0-9_.-]+)\}")
+# A secret's name as keepstate/secret/store.py allows it: no whitespace, braces or URL delimiters.
+SECRET_REF = re.compile(r"\$\{e2b\.secrets\.([^{}\s/?#%\\]+)\}")
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 CREATE_FIELDS = {"allowOut", "denyOut", "rules", "egressProxy", "allowPublicTraffic", "maskRequestHost",
                  "httpsPorts"}

@@ -187,6 +187,13 @@ class GVisorRuntime:
             f"--overlay2={overlay}", "--net-disconnect-ok",
         ]
 
+    @staticmethod
+    def _env() -> dict[str, str]:
+        """runsc's environment: PATH only. Its gofer and sandbox live as long as the sandbox, and whatever else the
+        server's environment holds (a provider's API key named by the gateway's `api_key_env`) would sit in their
+        /proc/<pid>/environ on the host all that time."""
+        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
+
     def _runsc(self, *args: str, timeout: float = 60, log: Path | None = None,
                detach_io: bool = False, disk: tuple[Path, Path] | None = None) -> subprocess.CompletedProcess[str]:
         """`disk`: (image, mount point) to mount for the sandbox this command starts."""
@@ -200,9 +207,9 @@ class GVisorRuntime:
             assert log is not None
             with open(log, "ab") as out:
                 proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                      timeout=timeout, start_new_session=True)
+                                      timeout=timeout, start_new_session=True, env=self._env())
             return subprocess.CompletedProcess(cmd, proc.returncode, "", "")
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self._env())
 
     def _dir(self, name: str) -> Path:
         return self.state_dir / name

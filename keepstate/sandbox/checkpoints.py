@@ -34,6 +34,7 @@ from .gateway_runs import GatewayRuns
 from .instances import RESTORED_AGENT_TIMEOUT, Instances, handle_of
 from .record import Instance, SandboxRow
 from .state import State
+from .traffic import traffic_token
 
 log = logging.getLogger("keepstate.sandbox")
 MAX_FORKS = 20
@@ -263,7 +264,8 @@ class Checkpoints:
         now = time.time()
         child_id = new_sandbox_id()
         settings = replace(parent.settings, session_id=child_id, checkpoint_id=manifest.checkpoint_id,
-                           forked_from=parent.sandbox_id, standby=None, retired=None)
+                           forked_from=parent.sandbox_id, standby=None, retired=None,
+                           traffic_token=traffic_token(parent.settings.network))
         row = SandboxRow(sandbox_id=child_id, state=State.RUNNING, template_id=parent.template_id,
                          template_digest=built.digest, runtime_name=handle.name, slot=slot,
                          address=handle.endpoint.address, access_token=secrets.token_hex(16), started_at=now,

@@ -49,9 +49,11 @@ from .slots import Slots
 from .standby import StandbyCache
 from .state import Command, State, listed, require
 from .templates import Templates
+from .traffic import traffic_token
 
 if TYPE_CHECKING:
     from keepstate.gateway.gateway import Gateway
+    from keepstate.secret import SecretStore
 
 log = logging.getLogger("keepstate.sandbox")
 
@@ -78,6 +80,8 @@ class CreateRequest:
     allow_internet_access: bool | None = None
     gateway: bool = True  # our extension: false keeps the metering gateway's variables out
     volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
+    network: dict[str, Any] = field(default_factory=dict)  # the create's policy, Policy.to_json() ({}: default)
+    auto_resume: bool = False  # lifecycle autoResume: traffic to it while paused resumes it
 
 
 def check_timeout(value: Any, field_name: str = "timeout") -> int:
@@ -96,8 +100,9 @@ class SandboxManager:
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
-                 freeze_idle_after: float = DEFAULT_AFTER) -> None:
+                 freeze_idle_after: float = DEFAULT_AFTER, secrets: SecretStore | None = None) -> None:
         self.catalog = catalog
+        self.secrets = secrets  # the egress service asks it `exists(name)` (policies) and `value(name)` (the proxy)
         self.runtime = runtime
         self.templates = templates
         self.recorder = recorder
@@ -339,7 +344,9 @@ class SandboxManager:
                                     env_vars=dict(req.env_vars), template_env=dict(d.env), auto_pause=req.auto_pause,
                                     auto_pause_memory=req.auto_pause_memory,
                                     allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts)
+                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
+                                    network=dict(req.network), auto_resume=req.auto_resume,
+                                    traffic_token=traffic_token(req.network), starting_timeout=req.timeout)
             row.state = State.RUNNING
             try:
                 env = self.gateway.env(row)
@@ -382,6 +389,9 @@ class SandboxManager:
         settings.metadata = dict(req.metadata)
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
+        settings.auto_resume, settings.starting_timeout = req.auto_resume, req.timeout
+        if req.network:  # the create's policy, else the snapshot's
+            settings.network = dict(req.network)
         theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
         if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
             raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "

@@ -64,6 +64,11 @@ class Settings:
     retired: Instance | None = None  # an instance stopped by a pause whose teardown has not finished
     # Volumes mounted: [{"name", "path", "volume_id"}] (docs/design/volumes.md); restores need the same mounts.
     volume_mounts: list[dict[str, str]] = field(default_factory=list)
+    # The create-time network policy, `Policy.to_json()` (keepstate/egress/policy.py; {}: the default policy).
+    network: dict[str, Any] = field(default_factory=dict)
+    auto_resume: bool = False  # traffic to it while paused resumes it (E2B's lifecycle autoResume)
+    traffic_token: str | None = None  # `allowPublicTraffic: false`: port traffic must carry it (api/inbound.py)
+    starting_timeout: int = 0  # the create's timeout, seconds: what an auto-resume gives it (0: the default)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -98,6 +103,10 @@ class Settings:
             disk_mb=int(pick("disk_mb", default=0) or 0), files_only=bool(pick("files_only", default=False)),
             standby=instance("standby"), retired=instance("retired"),
             volume_mounts=[dict(m) for m in pick("volume_mounts", "volumeMounts", default=[]) or []],
+            network=dict(pick("network", default={}) or {}),
+            auto_resume=bool(pick("auto_resume", "autoResume", default=False)),
+            traffic_token=pick("traffic_token", "trafficAccessToken"),
+            starting_timeout=int(pick("starting_timeout", default=0) or 0),
         )
 
 

@@ -235,3 +235,42 @@ def test_no_route_beyond_the_fake_internet(internet: FakeInternet) -> None:
     with pytest.raises(OSError) as err:
         socket.create_connection(("198.51.100.99", 80), timeout=10)
     assert not isinstance(err.value, TimeoutError)
+
+
+LIFECYCLE = """
+import json, os, subprocess, sys
+from keepstate.testing.internet import FakeInternet
+def sh(*a):
+    return subprocess.run(list(a), capture_output=True, text=True).stdout
+tag = sys.argv[1]
+fi = FakeInternet(tag)
+state = fi.up()
+seen = {"route": sh("ip", "route", "show", "default"), "netns": os.path.exists(fi.netns_path),
+        "pids": [os.path.exists(f"/proc/{p}") for p in state["pids"]]}
+try:
+    FakeInternet(tag + "b").up()  # a second one here: our default route exists, so it fails and undoes itself
+    seen["second"] = "up"
+except OSError as e:
+    seen["second"] = str(e)
+seen["second_netns"] = os.path.exists(f"/run/netns/ksfi-{tag}b")
+fi.down()
+seen["after"] = {"route": sh("ip", "route", "show", "default"), "link": sh("ip", "-br", "link", "show", "ksfi0"),
+                 "netns": os.path.exists(fi.netns_path), "dir": os.path.exists(state["dir"]),
+                 "pids": [os.path.exists(f"/proc/{p}") for p in state["pids"]]}
+print(json.dumps(seen))
+"""
+
+
+def test_up_then_down_leaves_nothing() -> None:
+    """In a namespace of its own: up links it (default route via the fake internet, servers running); a second
+    up there fails and undoes itself; down removes the namespace, link, route, servers and files."""
+    tag = f"life{os.getpid()}"
+    out = subprocess.run(["bash", str(REPO / "scripts" / "isolated.sh"), sys.executable, "-c", LIFECYCLE, tag],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["route"].startswith("default via 203.0.113.2 dev ksfi0") and seen["netns"]
+    assert seen["pids"] == [True, True]
+    assert "File exists" in seen["second"] and not seen["second_netns"]
+    after = seen["after"]
+    assert after == {"route": "", "link": "", "netns": False, "dir": False, "pids": [False, False]}
