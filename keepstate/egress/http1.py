@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from keepstate.egress.pipe import CHUNK, Side, both, pump
@@ -209,7 +209,7 @@ async def _line(src: Side) -> bytes:
         raise ConnectionError("a chunk line is too long") from None
 
 
-Rewrite = Callable[[Request], None]  # sets headers on one request; raises Answer to refuse it
+Rewrite = Callable[[Request], Awaitable[None]]  # sets headers on one request; raises Answer to refuse it
 
 
 async def relay(client: Side, upstream: Side, rewrite: Rewrite, up: Callable[[int], None],
@@ -248,7 +248,7 @@ async def _requests(client: Side, upstream: Side, rewrite: Rewrite, up: Callable
         up(len(head))
         req = parse_head(head)
         req.framing()  # refuse ambiguous framing before anything goes upstream
-        rewrite(req)
+        await rewrite(req)
         upstream.writer.write(req.encode())
         await copy_body(req, client, upstream, up)
         if req.upgrade:

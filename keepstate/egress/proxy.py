@@ -23,7 +23,7 @@ import logging
 import socket
 import ssl
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from keepstate.egress import socks5
@@ -230,14 +230,14 @@ class Proxy:
         await relay(client, upstream, self._rewriter(source, policy, seen, ip, rules), up, down)
 
     def _rewriter(self, source: str, policy: Policy, seen: Sniffed, ip: str,
-                  rules: tuple[HeaderRule, ...]) -> Callable[[Request], None]:
+                  rules: tuple[HeaderRule, ...]) -> Callable[[Request], Awaitable[None]]:
         """Each request's headers set. Over TLS the rules are the SNI's (the upstream proved that name); over plain
         HTTP each request's own Host picks them, and with a "name" verdict that Host must be allowed too. Plain
         HTTP proves nothing about the server, so with `resolved` a secret goes only to an address the sandbox's
         resolver gave for that name: else a sandbox could send `Host: api.example.com` to a server of its own."""
         named = policy.ip_verdict(ip) == "name"
 
-        def rewrite(req: Request) -> None:
+        async def rewrite(req: Request) -> None:
             host, these = seen.host or ip, rules
             if seen.kind == "http":
                 host = req.host or ip
@@ -249,11 +249,30 @@ class Proxy:
                     raise Answer(502, f"the egress rule for {host} sends a secret, and over plain HTTP only to an "
                                       f"address the sandbox's resolver gave for {host}, which {ip} is not")
                 these = these or policy.rules_for(ip)
-            names = set_rule_headers(req, host, these, self.secret_value)
+            values = await self._secrets(host, {n for r in these for n in r.secret_names()})
+            names = set_rule_headers(req, host, these, values.get)
             log.debug("egress %s → %s: %s %s, set %s", source, host, req.method, req.target.split("?")[0][:200],
                       ", ".join(names))
 
         return rewrite
+
+    async def _secrets(self, host: str, names: set[str]) -> dict[str, str | None]:
+        """The values a request needs, read in a thread (the store decrypts and reads its catalog)."""
+        if not names:
+            return {}
+
+        def read() -> dict[str, str | None]:
+            out: dict[str, str | None] = {}
+            for n in sorted(names):
+                try:
+                    out[n] = self.secret_value(n)
+                except Exception as e:  # the store's own error (a wrong key): named, with no value in it
+                    log.error("egress: the secret %r for %s could not be read (%s)", n, host, type(e).__name__)
+                    raise Answer(502, f"the secret {n!r} that the egress rule for {host} uses could not be "
+                                      f"read") from None
+            return out
+
+        return await asyncio.to_thread(read)
 
     def _report(self, fn: Callable[..., None], *args: object) -> None:
         try:

@@ -38,7 +38,14 @@ RULES = {"api.rule.test": [{"transform": {"headers": {"Authorization": "Bearer $
          "ws.rule.test": [{"transform": {"headers": {"X-Key": "${e2b.secrets.other}"}}}],
          "gone.rule.test": [{"transform": {"headers": {"X-Ok": "${e2b.secrets.api_key}",
                                                        "X-Gone": "k=${e2b.secrets.missing_one}"}}}],
-         "bad.rule.test": [{"transform": {"headers": {"X-Bad": "${e2b.secrets.broken}"}}}]}
+         "bad.rule.test": [{"transform": {"headers": {"X-Bad": "${e2b.secrets.broken}"}}}],
+         "err.rule.test": [{"transform": {"headers": {"X-Err": "${e2b.secrets.explodes}"}}}]}
+
+
+def secret_value(name: str) -> str | None:
+    if name == "explodes":  # as the store does when a value does not decrypt
+        raise RuntimeError("the secret does not decrypt with this key")
+    return SECRETS.get(name)
 
 
 def ssl_server_context(ca: CA, *names: str) -> ssl.SSLContext:
@@ -166,7 +173,7 @@ def original_dst_for(env_ref: list[Env]) -> Callable[[socket.socket], tuple[str,
 async def env(ups: Upstreams, upstream_ca: CA) -> AsyncIterator[Env]:
     egress_ca = CA.create("test egress CA")
     ref: list[Env] = []
-    proxy = Proxy(lookup=lambda ip: ref[0].policies.get(ip), secret_value=SECRETS.get, ca=egress_ca,
+    proxy = Proxy(lookup=lambda ip: ref[0].policies.get(ip), secret_value=secret_value, ca=egress_ca,
                   upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
                   on_bytes=lambda ip, u, d: _add(ref[0].bytes, ip, u, d),
                   on_host=lambda ip, h: ref[0].hosts.append((ip, h)), original_dst=original_dst_for(ref))
@@ -321,6 +328,14 @@ async def test_a_secret_holding_a_line_break_is_refused_not_injected(env: Env) -
             assert r.status == 502
             body = await r.text()
     assert "broken" in body and "Injected" not in body and len(env.ups.seen) == before
+
+
+async def test_a_secret_store_failure_is_a_502(env: Env) -> None:
+    src = env.sandbox(rule_policy(), env.ups.http)
+    async with env.session(src) as s:
+        async with s.get(f"http://127.0.0.1:{env.port}/", headers={"Host": "err.rule.test"}) as r:
+            assert r.status == 502
+            assert "'explodes'" in (await r.json())["message"]
 
 
 async def test_keep_alive_two_requests_on_one_connection_both_rewritten(env: Env) -> None:
