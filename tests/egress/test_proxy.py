@@ -394,6 +394,62 @@ async def test_a_slow_head_keeps_its_rules(env: Env) -> None:
     assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
 
 
+async def test_a_fragmented_client_hello_in_two_segments_is_intercepted(env: Env) -> None:
+    """A ClientHello split into 100-byte records, sent as two TCP writes apart: the peek waits for the rest."""
+    src = env.sandbox(rule_policy(), env.ups.https)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = trusting(env.egress_ca).wrap_bio(incoming, outgoing, server_hostname="api.rule.test")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    body = hello[5:]
+    records = b"".join(hello[:3] + len(body[i:i + 100]).to_bytes(2, "big") + body[i:i + 100]
+                       for i in range(0, len(body), 100))
+    r, w = await asyncio.open_connection("127.0.0.1", env.port, local_addr=(src, 0))
+    w.write(records[:150])
+    await w.drain()
+    await asyncio.sleep(0.4)  # deliberately slower than PEEK_S
+    w.write(records[150:])
+    await w.drain()
+
+    async def pump_tls() -> None:
+        if out := outgoing.read():
+            w.write(out)
+            await w.drain()
+        data = await r.read(65536)
+        assert data, "the proxy closed during the handshake"
+        incoming.write(data)
+
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            await pump_tls()
+    tls.write(b"GET /frag HTTP/1.1\r\nHost: api.rule.test\r\nConnection: close\r\n\r\n")
+    response = b""
+    while True:
+        try:
+            chunk = tls.read(65536)
+        except ssl.SSLWantReadError:
+            await pump_tls()
+            continue
+        except ssl.SSLZeroReturnError:
+            break
+        if not chunk:
+            break
+        response += chunk
+        if b"\r\n\r\n" in response:
+            head, _, rest = response.partition(b"\r\n\r\n")
+            length = int(next(x.split(b":")[1] for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")))
+            if len(rest) >= length:
+                break
+    w.close()
+    seen = json.loads(response.partition(b"\r\n\r\n")[2])
+    assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
+    assert tls.getpeercert()["issuer"][0][0][1] == "test egress CA"
+
+
 # --- names: SNI and Host ---------------------------------------------------------------------------------------
 
 def named() -> Policy:
