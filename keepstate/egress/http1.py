@@ -246,6 +246,9 @@ async def _requests(client: Side, upstream: Side, rewrite: Rewrite, up: Callable
         if head is None:
             break
         up(len(head))
+        head = head.lstrip(b"\r\n")  # empty lines before a request line are ignored (RFC 9112 2.2)
+        if not head:
+            continue
         req = parse_head(head)
         req.framing()  # refuse ambiguous framing before anything goes upstream
         await rewrite(req)
