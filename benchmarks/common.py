@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from keepstate.testing.internet import in_root_netns
+
 REPO = Path(__file__).resolve().parents[1]
 KEEPSTATE = REPO / ".venv" / "bin" / "keepstate"
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
@@ -88,6 +90,8 @@ def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> It
     home = Path(tempfile.mkdtemp(prefix="keepstate-bench-"))
     port = free_port()
     env = {**os.environ, "KEEPSTATE_HOME": str(home), "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
+    if in_root_netns():  # no sandbox of a benchmark reaches a real address (network.py runs isolated instead)
+        env["KEEPSTATE_EGRESS"] = "off"
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen([str(KEEPSTATE), "serve", "--listen", f"127.0.0.1:{port}", "--pool-size", str(pool),
                              "--warm", warm, "--reap-on-exit", "--log-level", "info" if KEEP_LOG else "warning",

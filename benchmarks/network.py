@@ -107,10 +107,9 @@ class EgressSlot:
     default policy: the server's real datapath, without a server around it."""
 
     def __init__(self, home: Path, dns: str) -> None:
-        from keepstate.egress.service import Egress, EgressConfig
-
         from keepstate.egress import firewall
         from keepstate.egress.policy import parse
+        from keepstate.egress.service import Egress, EgressConfig
 
         if not firewall.available():
             raise RuntimeError("nft is not installed")

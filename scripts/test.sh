@@ -43,16 +43,9 @@ trap cleanup EXIT
 # tests read its addresses from the state file (tests/sdk/sdkharness.py: fake_internet()).
 $BIN/python -m keepstate.testing.internet up --state "$internet"
 export KEEPSTATE_FAKE_INTERNET=$internet
-# The shared server resolves through the fake DNS and trusts the fake sites' CA (flags of the egress datapath:
-# passed only when this `keepstate serve` has them).
-serve_help=$($BIN/keepstate serve --help)
-serve_flags=()
-if grep -q -- --dns-upstream <<<"$serve_help"; then
-  serve_flags+=(--dns-upstream "$($BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["dns"])' "$internet")")
-fi
-if grep -q -- --egress-ca-bundle <<<"$serve_help"; then
-  serve_flags+=(--egress-ca-bundle "$($BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["ca_file"])' "$internet")")
-fi
+# The shared server resolves through the fake DNS and trusts the fake sites' CA.
+state() { $BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$internet" "$1"; }
+serve_flags=(--dns-upstream "$(state dns)" --egress-ca-bundle "$(state ca_file)")
 KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
   --warm "$(echo $names | tr ' ' ,)" --reap-on-exit "${serve_flags[@]}" \
   >"$logs" 2>&1 &

@@ -8,6 +8,7 @@ REST API. Every error leaves as JSON {"code", "message"}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
+from keepstate.egress import firewall
 from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import KeepStateError, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
@@ -223,6 +225,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             for host in (network.GATEWAY_IP, "127.0.0.1"):
                 await web.TCPSite(runner, host, config.gateway_port).start()
             gateway_runner.append(runner)
+            await asyncio.to_thread(firewall.open_service, "tcp", config.gateway_port)  # sandboxes may call it
         await asyncio.to_thread(volumes.mount_all)  # before adoption: sandboxes mount them
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
@@ -232,6 +235,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         if config.reap_on_exit:  # its sandboxes are gone: leave no loop mount behind (the data stays)
             await asyncio.to_thread(volumes.unmount_all)
         for runner in gateway_runner:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(firewall.close_service, "tcp", config.gateway_port)
             await runner.cleanup()
         await router.stop()
         durable.close()

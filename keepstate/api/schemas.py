@@ -177,7 +177,6 @@ def parse_create(body: Any) -> CreateRequest:
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
-    network = policy.parse(body.get("network"), allow_internet_access=aia)
     auto_resume = parse_auto_resume(body.get("autoResume"))
     if auto_resume and not auto_pause:
         raise BadRequest("`autoResume` needs `autoPause: true` (lifecycle on_timeout \"pause\"): only a paused "
@@ -404,7 +403,7 @@ def detail(row: SandboxRow, envd_version: str, domain: str | None = None) -> dic
         out["pauseMode"] = "filesystem" if row.settings.files_only else "full"
     out.update({
         "envdAccessToken": row.access_token, "trafficAccessToken": row.settings.traffic_token,
-        "allowInternetAccess": row.settings.allow_internet_access,
+        "allowInternetAccess": row.settings.policy.allow_internet_access,
         "network": row.settings.policy.to_wire(),
         "lifecycle": {"autoResume": row.settings.auto_resume,
                       "onTimeout": "pause" if row.settings.auto_pause else "kill"},

@@ -40,7 +40,9 @@ def _upstream(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 
 def egress_options(f: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--egress", "egress_mode", type=click.Choice(["on", "off"]), default="on", show_default=True,
-                  help="Sandboxes' way out (each as its network policy says). off: nothing leaves any sandbox.")
+                  envvar="KEEPSTATE_EGRESS",
+                  help="Sandboxes' way out (each as its network policy says). off: nothing leaves any sandbox. "
+                       "Env: KEEPSTATE_EGRESS (tests outside an isolated namespace set it to off).")
     @click.option("--dns-upstream", multiple=True, callback=_upstream, metavar="IP[:PORT]",
                   help="DNS server the sandboxes' resolver asks (repeatable). Default: the host's /etc/resolv.conf.")
     @click.option("--egress-ca-bundle", type=click.Path(exists=True, dir_okay=False), default=None,

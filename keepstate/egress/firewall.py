@@ -90,7 +90,8 @@ def render_slot(slot: int, link: Link, policy: Policy, ports: Ports, limits: Lim
     if policy.needs_proxy and ports.proxy is not None:
         # The proxy decides by name and dials the original destination (SO_ORIGINAL_DST); what is always denied
         # is left to `forward`, which rejects it, so the proxy never even sees it.
-        pre += [f"ip daddr {_set(denied)} return",
+        # The host's own addresses are not for the proxy to dial either: left to `input`, which refuses them.
+        pre += [f"ip daddr {_set(denied)} return", "fib daddr type local return",
                 f"meta l4proto tcp dnat ip to {GATEWAY_IP}:{ports.proxy}"]
     fwd: list[str] = []
     rate = f"limit rate over {int(limits.rate_mbit * 125_000)} bytes/second burst " \
@@ -153,6 +154,10 @@ def render_base(open_ports: tuple[int, ...] = ()) -> str:
         f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
         f"add chain {t} input {{ type filter hook input priority filter; policy accept; }}",
         f"add chain {t} sandbox_in",
+        # The ports of GATEWAY_IP that are ours (gateways, resolvers, proxies of every server on the host): only
+        # created here, each server adds and removes its own (open_service), like the maps' slots.
+        f"add set {t} services_tcp {{ type inet_service; }}",
+        f"add set {t} services_udp {{ type inet_service; }}",
     ]
     for chain in ("prerouting", "postrouting", "forward", "input", "sandbox_in"):
         lines.append(f"flush chain {t} {chain}")
@@ -164,9 +169,10 @@ def render_base(open_ports: tuple[int, ...] = ()) -> str:
     rules += [("forward", r) for r in _reject('oifname "ksv*"')]
     rules.append(("input", 'iifname "ksv*" jump sandbox_in'))
     rules.append(("sandbox_in", "ct state established,related accept"))
-    # Only KeepState's services listen on GATEWAY_IP (gateways, resolvers, proxies): one rule serves every server
-    # sharing the host (a per-port rule would be lost when the next server rewrites the chain).
-    rules.append(("sandbox_in", f"ip daddr {GATEWAY_IP} meta l4proto {{ tcp, udp }} accept"))
+    # GATEWAY_IP is on the host's loopback, so whatever listens on every address of the host listens there too:
+    # only the ports a server put in the sets are open (the sets serve every server sharing the host).
+    rules.append(("sandbox_in", f"ip daddr {GATEWAY_IP} tcp dport @services_tcp accept"))
+    rules.append(("sandbox_in", f"ip daddr {GATEWAY_IP} udp dport @services_udp accept"))
     if open_ports:
         rules.append(("sandbox_in", f"tcp dport {{ {', '.join(str(p) for p in open_ports)} }} accept"))
     # Refused at once (a reset), never dropped: see runtime/network.py install_firewall.
@@ -184,6 +190,23 @@ def nft(script: str) -> None:
 
 def available() -> bool:
     return shutil.which(NFT[-1]) is not None
+
+
+def _services(verb: str, proto: str, port: int) -> str:
+    t = TABLE
+    return "\n".join([f"add table {t}", f"add set {t} services_{proto} {{ type inet_service; }}",
+                      f"add element {t} services_{proto} {{ {port} }}",
+                      *([f"delete element {t} services_{proto} {{ {port} }}"] if verb == "close" else [])]) + "\n"
+
+
+def open_service(proto: str, port: int) -> None:
+    """Let sandboxes reach GATEWAY_IP:`port` (`proto` "tcp" or "udp"): one of this server's services listens there.
+    A server killed without its stop leaves the port open until a server opens and closes it again."""
+    nft(_services("open", proto, port))
+
+
+def close_service(proto: str, port: int) -> None:
+    nft(_services("close", proto, port))
 
 
 def ensure_base(open_ports: tuple[int, ...] = ()) -> None:

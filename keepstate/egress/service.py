@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import inspect
 import ipaddress
 import logging
 import shutil
@@ -29,6 +27,7 @@ from keepstate.runtime.network import GATEWAY_IP, Link, link_for
 from . import firewall
 from .ca import CA
 from .policy import Net, Policy
+from .proxy import Proxy
 from .resolver import Resolver, parse_upstream, system_upstreams
 
 log = logging.getLogger("keepstate.egress")
@@ -37,6 +36,7 @@ CA_DIR = "/etc/keepstate"
 
 
 @dataclass(frozen=True)
+
 class EgressConfig:
     enabled: bool = True
     dns_upstreams: tuple[str, ...] = ()  # IP[:PORT]; none: the host's /etc/resolv.conf
@@ -54,6 +54,17 @@ class Attached:
     sandbox_id: str
     link: Link
     policy: Policy
+
+
+def is_local(ip: str) -> bool:
+    """Whether `ip` is one of this namespace's own addresses (the host's services listen there), asked of the
+    kernel's routing without sending anything: a UDP socket connected to a local address gets it as its source."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return bool(s.getsockname()[0] == ip)
+    except OSError:
+        return False  # unroutable: nothing of ours is there (the dial will fail on its own)
 
 
 class Egress:
@@ -92,29 +103,23 @@ class Egress:
         await asyncio.to_thread(firewall.set_ip_forward)
         await self.resolver.start(GATEWAY_IP)
         await self._start_proxy()
+        await asyncio.to_thread(self._services, firewall.open_service)
         self._task = asyncio.get_running_loop().create_task(self._watch_hosts(), name="egress-hosts")
         log.info("egress: resolver on %s:%d (upstreams %s), proxy %s", GATEWAY_IP, self.resolver.port,
                  ", ".join(f"{h}:{p}" for h, p in self.resolver.upstreams) or "none",
                  f"on {GATEWAY_IP}:{self.proxy_port}" if self.proxy_port else "absent")
 
     async def _start_proxy(self) -> None:
-        try:
-            module = importlib.import_module("keepstate.egress.proxy")
-        except ImportError:
-            return  # a release without the proxy: domain rules fail closed (firewall.render_slot)
         trust = ssl.create_default_context()
         if self.config.ca_bundle is not None:
             trust.load_verify_locations(cafile=str(self.config.ca_bundle))
-        options: dict[str, Any] = {
-            "lookup": self.policy_for, "secret_value": self.secret_value, "ca": self.ca, "upstream_trust": trust,
-            "guard": self.always_denied, "on_bytes": self._proxy_bytes, "on_host": self._proxy_host,
+        self.proxy = Proxy(
+            lookup=self.policy_for, secret_value=self.secret_value, ca=self.ca, upstream_trust=trust,
+            guard=self.always_denied, on_bytes=self._proxy_bytes, on_host=self._proxy_host,
             # what the forward chain's `ct count` never sees (proxied connections end at the host)
-            "max_connections": self.config.max_connections,
+            max_connections=self.config.max_connections,
             # a secret goes in plain HTTP only to an address the sandbox's resolver gave for that name
-            "resolved": lambda source, name, ip: ip in self.resolver.memory.addresses(source, name),
-        }
-        accepted = inspect.signature(module.Proxy).parameters
-        self.proxy = module.Proxy(**{k: v for k, v in options.items() if k in accepted})
+            resolved=lambda source, name, ip: ip in self.resolver.memory.addresses(source, name))
         for _ in range(20):  # the proxy takes a port, not 0: a free one, asked for just before
             with socket.socket() as probe:
                 probe.bind((GATEWAY_IP, 0))
@@ -127,8 +132,19 @@ class Egress:
             return
         raise OSError(f"no free port on {GATEWAY_IP} for the egress proxy")
 
+    def _services(self, verb: Callable[[str, int], None]) -> None:
+        """Open (or close) GATEWAY_IP's ports of the resolver and the proxy to sandboxes (firewall.open_service)."""
+        ports = [("udp", self.resolver.port), ("tcp", self.resolver.port)]
+        if self.proxy_port is not None:
+            ports.append(("tcp", self.proxy_port))
+        for proto, port in ports:
+            verb(proto, port)
+
     async def stop(self) -> None:
         """Stop the resolver and the proxy; the slots stay attached for the next server to re-attach."""
+        if self.datapath and self.resolver.port:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._services, firewall.close_service)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -224,7 +240,7 @@ class Egress:
             return True
         if addr.version == 6:
             return True
-        return any(addr in n for n in firewall.denied_nets(self._nets))
+        return any(addr in n for n in firewall.denied_nets(self._nets)) or is_local(ip)
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """sandbox ID -> (bytes out, bytes in) so far: its attached slot's kernel counters, plus the slots it left

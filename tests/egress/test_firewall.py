@@ -75,7 +75,8 @@ def test_domain_allow_goes_through_the_proxy_when_there_is_one() -> None:
     body = {"allowOut": ["plain.test"], "denyOut": ["0.0.0.0/0"]}
     pre = rules(render(body, ports=fw.Ports(5300, 8443)), "pre_7")
     assert pre[-1] == "meta l4proto tcp dnat ip to 10.88.255.254:8443"
-    assert "169.254.0.0/16" in pre[-2] and pre[-2].endswith("return")  # never handed to the proxy
+    assert "169.254.0.0/16" in pre[-3] and pre[-3].endswith("return")  # never handed to the proxy
+    assert pre[-2] == "fib daddr type local return"  # nor the host's own addresses: `input` refuses them
     # without a proxy, the names cannot be checked: the kernel rejects (fail closed)
     no_proxy = render(body)
     assert len(rules(no_proxy, "pre_7")) == 1 and rules(no_proxy, "fwd_7")[-1].startswith("reject")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import os
@@ -104,24 +103,12 @@ def isolated() -> bool:
     return False
 
 
-@functools.cache
-def _serve_flags() -> frozenset[str]:
-    out = subprocess.run([str(KEEPSTATE), "serve", "--help"], capture_output=True, text=True).stdout
-    return frozenset(f for f in ("--dns-upstream", "--egress-ca-bundle") if f in out)
-
-
 def fake_internet_flags() -> tuple[str, ...]:
-    """`serve` flags that point a server at the fake internet (its resolver, its test CA), when there is one.
-    Each only if this `keepstate serve` has it (they come with the egress datapath)."""
+    """`serve` flags that point a server at the fake internet (its resolver, its test CA), when there is one."""
     state = fake_internet()
     if state is None:
         return ()
-    flags: list[str] = []
-    if "--dns-upstream" in _serve_flags():
-        flags += ["--dns-upstream", str(state["dns"])]
-    if "--egress-ca-bundle" in _serve_flags():
-        flags += ["--egress-ca-bundle", str(state["ca_file"])]
-    return tuple(flags)
+    return ("--dns-upstream", str(state["dns"]), "--egress-ca-bundle", str(state["ca_file"]))
 
 
 def start_server(home: str, port: int | None = None, pool: int = 2, extra: tuple[str, ...] = (),
@@ -168,3 +155,45 @@ def start_marker(sbx: Any) -> str:
 
 def survived(sbx: Any, marker: str) -> bool:
     return bool(sbx.commands.run(f"pgrep -fx '{marker}' || true").stdout.strip())
+
+
+# Written into a sandbox and run as `python3 scan.py <hex> [<hex>...]`: every process's environment and command
+# line and every regular file (but /proc, /sys, /dev; up to 64 MiB each) searched for the given byte strings;
+# prints JSON {"found": [paths], "files": count}. For values that must never enter a sandbox (secrets, keys).
+SCAN = r"""
+import json, os, stat, sys
+
+keys = [bytes.fromhex(h) for h in sys.argv[1:]]
+found, files = [], 0
+
+
+def check(path, data):
+    for k in keys:
+        if k in data:
+            found.append(path)
+
+
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for what in ("environ", "cmdline"):
+            try:
+                with open(f"/proc/{pid}/{what}", "rb") as f:
+                    check(f"/proc/{pid}/{what}", f.read())
+            except OSError:
+                pass
+for top, dirs, names in os.walk("/"):
+    if top == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
+    for name in names:
+        path = os.path.join(top, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:
+                continue
+            with open(path, "rb") as f:
+                check(path, f.read())
+            files += 1
+        except OSError:
+            pass
+print(json.dumps({"found": found, "files": files}))
+"""

@@ -12,7 +12,6 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,18 +90,50 @@ def sandbox_ip(sbx: Any) -> str:
 
 
 def test_always_denied_under_every_policy(new_sandbox, server) -> None:
+    """Other sandboxes, the metadata address and the host's own services (one listening on every address of the
+    host, its link to the fake internet included) stay unreachable, also when the policy sends TCP through the
+    egress proxy (names, header rules, a SOCKS5 upstream), which dials on the host's behalf."""
+    import http.server
+    import threading
+
+    state = fake_internet()
+    assert state is not None
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    service = http.server.ThreadingHTTPServer(("0.0.0.0", 0), Handler)
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    own = service.server_address[1]
+    socks = state["socks"]
     other = new_sandbox()
     other_ip = sandbox_ip(other)
     port = urllib.parse.urlparse(server.url).port
-    for network in ({}, {"allow_out": ["0.0.0.0/0"]},
-                    {"allow_out": ["169.254.169.254", "10.0.0.0/8", "127.0.0.1"], "deny_out": ["0.0.0.0/0"]}):
-        sbx = new_sandbox(network=network)
-        host_side = ".".join(sandbox_ip(sbx).split(".")[:3] + [str(int(sandbox_ip(sbx).split(".")[3]) - 1)])
-        for target in ("http://169.254.169.254/", f"http://{other_ip}:{AGENT_PORT}/health",
-                       f"http://{host_side}:{port}/health", f"http://{GATEWAY_IP}:{port}/health",
-                       f"http://{host_side}:22/"):
-            assert refused(sbx, target), f"{target} answered under {network}"
-        sbx.kill()
+    try:
+        for network in ({}, {"allow_out": ["0.0.0.0/0"]},
+                        {"allow_out": ["169.254.169.254", "10.0.0.0/8", "127.0.0.1", "203.0.113.1"],
+                         "deny_out": ["0.0.0.0/0"]},
+                        {"allow_out": ["plain.test"], "deny_out": ["0.0.0.0/0"]},
+                        {"rules": {"plain.test": [{"transform": {"headers": {"X-A": "1"}}}]}},
+                        {"egress_proxy": {"address": f"{socks['host']}:{socks['port']}"}}):
+            sbx = new_sandbox(network=network)
+            host_side = ".".join(sandbox_ip(sbx).split(".")[:3] + [str(int(sandbox_ip(sbx).split(".")[3]) - 1)])
+            for target in ("http://169.254.169.254/", f"http://{other_ip}:{AGENT_PORT}/health",
+                           f"http://{host_side}:{port}/health", f"http://{GATEWAY_IP}:{port}/health",
+                           f"http://{host_side}:22/", f"http://{host_side}:{own}/", f"http://203.0.113.1:{own}/",
+                           f"http://{GATEWAY_IP}:{own}/"):
+                assert refused(sbx, target), f"{target} answered under {network}"
+            sbx.kill()
+    finally:
+        service.shutdown()
+    assert hits == [], f"the host's service was reached: {hits}"
 
 
 def test_policy_survives_pause_and_resume_and_a_fork_inherits_it(new_sandbox) -> None:
@@ -143,7 +174,10 @@ def listed(server: Any) -> set[str]:
 
 def test_bad_policies_are_400_and_change_nothing(new_sandbox, server) -> None:
     before = listed(server)
-    for network in ({"allowOut": ["10.0.0.300/8"]}, {"allowOut": ["1.2.3.4/33"]}, {"bogus": []}):
+    rule = [{"transform": {"headers": {"X-Key": "${e2b.secrets.no-such-secret}"}}}]
+    for network in ({"allowOut": ["10.0.0.300/8"]}, {"allowOut": ["1.2.3.4/33"]}, {"bogus": []},
+                    {"denyOut": ["0.0.0.0/0"], "rules": {"plain.test": [{"transform": {"headers": {"X": "1"}}}]}},
+                    {"rules": {"plain.test": rule}}, {"egressProxy": {"address": "no-port"}}):
         status, err = api(server, "POST", "/sandboxes", {"templateID": "base", "network": network})
         assert status == 400 and err["code"] == 400 and err["message"], (network, err)
     assert listed(server) <= before
@@ -214,8 +248,6 @@ def test_egress_is_attached_again_after_a_server_restart(e2b_env) -> None:
             srv.proc.wait(timeout=60)
 
 
-@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / "keepstate" / "egress" / "proxy.py").exists(),
-                    reason="this tree has no egress proxy (keepstate/egress/proxy.py): domains cannot be allowed")
 def test_domains_allowed_by_name_through_the_proxy(new_sandbox) -> None:
     sbx = new_sandbox(network={"allow_out": ["plain.test", "*.allowed.test"], "deny_out": ["0.0.0.0/0"]})
     assert reaches(sbx, "http://plain.test/")
@@ -249,8 +281,6 @@ def test_egress_off_lets_nothing_out(e2b_env) -> None:
             srv.proc.wait(timeout=60)
 
 
-@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / "keepstate" / "egress" / "proxy.py").exists(),
-                    reason="this tree has no egress proxy (keepstate/egress/proxy.py)")
 def test_a_header_rule_sets_a_secret_over_http_and_https(new_sandbox, server) -> None:
     """The whole way: a secret in the store, a rule naming it, the sandbox's request to the header echo carries
     the value (HTTPS too: the sandbox trusts the egress CA /init installed), and the sandbox never holds it."""

@@ -22,50 +22,12 @@ import pytest
 from e2b import Sandbox
 
 from keepstate.testing import FakeProvider, fake_provider_in_thread
-from tests.sdk.sdkharness import Server, free_port, make_key, start_server
+from tests.sdk.sdkharness import SCAN, Server, free_port, make_key, start_server
 
 INLINE_KEY = "sk-inline-" + secrets.token_hex(16)
 ENV_KEY = "sk-env-" + secrets.token_hex(16)
 ENV_NAME = "KEEPSTATE_TEST_ANTHROPIC_KEY"
 SECRETS_KEY = base64.b64encode(secrets.token_bytes(32)).decode()
-
-SCAN = r"""
-import json, os, stat, sys
-
-keys = [bytes.fromhex(h) for h in sys.argv[1:]]
-found, files = [], 0
-
-
-def check(path, data):
-    for k in keys:
-        if k in data:
-            found.append(path)
-
-
-for pid in os.listdir("/proc"):
-    if pid.isdigit():
-        for what in ("environ", "cmdline"):
-            try:
-                with open(f"/proc/{pid}/{what}", "rb") as f:
-                    check(f"/proc/{pid}/{what}", f.read())
-            except OSError:
-                pass
-for top, dirs, names in os.walk("/"):
-    if top == "/":
-        dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
-    for name in names:
-        path = os.path.join(top, name)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:
-                continue
-            with open(path, "rb") as f:
-                check(path, f.read())
-            files += 1
-        except OSError:
-            pass
-print(json.dumps({"found": found, "files": files}))
-"""
 
 CALL = r"""
 import json, os, urllib.request
