@@ -376,7 +376,7 @@ class GVisorRuntime:
             link = network.link_for(handle.slot)
             if Path(link.netns_path).exists():
                 out.append(Leftover("netns", name, link.netns_path))
-            if Path(f"/sys/class/net/{link.host_if}").exists():
+            if network.has_interface(link.host_if):
                 out.append(Leftover("veth", name, link.host_if))
         out += [Leftover("loop", name, dev) for dev in remains.loops_backed_by(self._dir(name))]
         out += [Leftover("shm", name, str(p)) for p in remains.shm_of(name)]

@@ -213,6 +213,16 @@ def forget_sockets(link: Link) -> None:
     _run("ss", "-K", "-t", "dst", link.sandbox_ip, check=False)
 
 
+def has_interface(name: str) -> bool:
+    """Whether this network namespace has the interface. Not /sys/class/net: sysfs shows the namespace of whoever
+    mounted it (the host's), not ours when the server runs in a namespace of its own (the tests' isolated one)."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            return any(line.split(":", 1)[0].strip() == name for line in f.readlines()[2:])
+    except OSError:
+        return False
+
+
 def exists(link: Link) -> bool:
     return _run("ip", "netns", "pids", link.netns, check=False).returncode == 0
 

@@ -679,7 +679,7 @@ class SandboxManager:
     def _kill_running(self, row: SandboxRow, reason: str) -> None:
         """Unreachable at once; the teardown (a second or two) runs in the background."""
         self.records.pop(row.sandbox_id, None)
-        self.idle.wake(row.sandbox_id)  # torn down awake: `runsc kill` signals through the sentry
+        self.idle.forget(row.sandbox_id)  # left frozen: its teardown kills, then thaws
         self.agents.forget(row.sandbox_id)
         self._set(row, State.KILLED)
         self.agents.abort(row.sandbox_id)

@@ -12,6 +12,8 @@ from e2b import Sandbox, Template
 from e2b.connection_config import ConnectionConfig
 from e2b.sandbox_sync.paginator import get_api_client
 
+from sdkharness import wait_until
+
 
 def call(module: str, *args: Any, body: dict[str, Any] | None = None, **query: Any) -> Any:
     """`sync_detailed` of one generated module; `body` is built with the model that release annotates."""
@@ -41,9 +43,15 @@ def test_refresh_resume_logs_and_metrics(new_sandbox) -> None:
     assert res.status_code == 201 and res.parsed.sandbox_id == sid
     assert sbx.commands.run("true").exit_code == 0
 
-    v2 = call("sandboxes.get_v_2_sandboxes_sandbox_id_logs", sid)
-    assert v2.status_code == 200, v2.content
-    messages = [e.message for e in v2.parsed.logs]
+    def v2_messages() -> list[str]:
+        v2 = call("sandboxes.get_v_2_sandboxes_sandbox_id_logs", sid)
+        assert v2.status_code == 200, v2.content
+        return [e.message for e in v2.parsed.logs]
+
+    # Log lines arrive with the sandbox's journal, pulled after the command answered: wait for the last one's exit,
+    # so that the v1 read below sees no line the v2 read did not.
+    messages = wait_until(lambda: (m := v2_messages()) and any("-c true" in x for x in m)
+                          and m[-1].endswith("exited with code 0") and m, 30, "the logs of `true`")
     assert any(m.startswith("process ") and "echo hello from the logs" in m for m in messages), messages
     assert any(m.startswith("paused (checkpoint") for m in messages), messages
     v1 = call("sandboxes.get_sandboxes_sandbox_id_logs", sid)
