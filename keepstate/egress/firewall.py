@@ -81,7 +81,7 @@ def render_slot(slot: int, link: Link, policy: Policy, ports: Ports, limits: Lim
     `apply`. Idempotent: it creates what is missing and replaces the chains' rules whole."""
     t, n, ifname = TABLE, slot, link.host_if
     denied = denied_nets(allowed_private)
-    v4_allow = [a for a in policy.allow_nets if a.version == 4]
+    v4_allow = [a for a in policy.open_nets if a.version == 4]
     v4_deny = [d for d in policy.deny_nets if d.version == 4]
     lines = [f"add chain {t} pre_{n}", f"flush chain {t} pre_{n}",
              f"add chain {t} fwd_{n}", f"flush chain {t} fwd_{n}",

@@ -21,8 +21,10 @@ ALL_TRAFFIC = "0.0.0.0/0"
 SECRET_REF = re.compile(r"\$\{e2b\.secrets\.([^{}\s/?#%\\]+)\}")
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 CREATE_FIELDS = {"allowOut", "denyOut", "rules", "egressProxy", "allowPublicTraffic", "maskRequestHost",
-                 "httpsPorts"}
-UPDATE_FIELDS = {"allowOut", "denyOut", "rules", "egressProxy", "allow_internet_access", "allowInternetAccess"}
+                 "httpsPorts", "dnsServers"}
+UPDATE_FIELDS = {"allowOut", "denyOut", "rules", "egressProxy", "dnsServers", "allow_internet_access",
+                 "allowInternetAccess"}
+MAX_DNS_SERVERS = 10
 MAX_ENTRIES = 1000
 
 
@@ -61,6 +63,9 @@ class Policy:
     allow_public_traffic: bool = True
     mask_request_host: str | None = None
     https_ports: tuple[int, ...] = ()
+    # `dnsServers`: addresses opened (all traffic) when `allowOut` names a domain, as E2B does. None: E2B's default
+    # would be 8.8.8.8; here the default resolver is the server's own (GATEWAY_IP), always reachable, so none.
+    dns_servers: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # reserved
 
     # --- questions the datapath asks -------------------------------------------------------------------------
@@ -72,6 +77,13 @@ class Policy:
         return not self.allow_internet_access or any(n.prefixlen == 0 for n in self.deny_nets)
 
     @property
+    def open_nets(self) -> tuple[Net, ...]:
+        """What the policy lets through by address: `allowOut`'s nets, and `dnsServers` when a domain is allowed."""
+        if not self.allow_domains or not self.dns_servers:
+            return self.allow_nets
+        return self.allow_nets + tuple(ipaddress.ip_network(d) for d in self.dns_servers)
+
+    @property
     def needs_proxy(self) -> bool:
         """Whether some TCP must pass through the egress proxy (a decision on names, a header rule, an upstream):
         otherwise the kernel decides on addresses alone."""
@@ -80,7 +92,7 @@ class Policy:
     def ip_verdict(self, ip: str) -> str:
         """"allow", "deny" or "name" (denied by address but an allowed domain may still match it by SNI/Host)."""
         addr = ipaddress.ip_address(ip)
-        if any(addr in n for n in self.allow_nets):
+        if any(addr in n for n in self.open_nets):
             return "allow"
         denied = self.denies_all or any(addr in n for n in self.deny_nets)
         if not denied:
@@ -126,6 +138,8 @@ class Policy:
             out["maskRequestHost"] = self.mask_request_host
         if self.https_ports:
             out["httpsPorts"] = list(self.https_ports)
+        if self.dns_servers is not None:
+            out["dnsServers"] = list(self.dns_servers)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -157,7 +171,8 @@ class Policy:
         new = parse(egress, allow_internet_access=aia, fields=CREATE_FIELDS)
         return Policy(allow_internet_access=new.allow_internet_access, allow_nets=new.allow_nets,
                       allow_domains=new.allow_domains, deny_nets=new.deny_nets, rules=new.rules,
-                      egress_proxy=new.egress_proxy, allow_public_traffic=self.allow_public_traffic,
+                      egress_proxy=new.egress_proxy, dns_servers=new.dns_servers,
+                      allow_public_traffic=self.allow_public_traffic,
                       mask_request_host=self.mask_request_host, https_ports=self.https_ports)
 
 
@@ -297,4 +312,20 @@ def parse(body: Any, *, allow_internet_access: Any = True, fields: set[str] | No
     return Policy(allow_internet_access=allow_internet_access, allow_nets=tuple(allow_nets),
                   allow_domains=tuple(allow_domains), deny_nets=tuple(deny_nets), rules=rules,
                   egress_proxy=_proxy(body.get("egressProxy")), allow_public_traffic=apt,
-                  mask_request_host=mask, https_ports=tuple(ports))
+                  mask_request_host=mask, https_ports=tuple(ports), dns_servers=_dns(body.get("dnsServers")))
+
+
+def _dns(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    where = "network.dnsServers"
+    entries = _str_list(value, where)
+    if len(entries) > MAX_DNS_SERVERS:
+        raise BadRequest(f"`{where}` holds {len(entries)} entries; at most {MAX_DNS_SERVERS} are allowed")
+    for e in entries:
+        try:
+            if not isinstance(ipaddress.ip_address(e), ipaddress.IPv4Address):
+                raise ValueError
+        except ValueError:
+            raise BadRequest(f"`{where}`: {e!r} is not an IPv4 address") from None
+    return tuple(entries)

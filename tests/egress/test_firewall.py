@@ -13,6 +13,7 @@ import pytest
 
 from keepstate.egress import firewall as fw
 from keepstate.egress import policy
+from keepstate.errors import BadRequest
 from keepstate.runtime.network import link_for
 
 LINK = link_for(7)
@@ -132,3 +133,18 @@ def test_the_kernel_takes_every_script(netns: str) -> None:
     listing = subprocess.run([*fw.NFT, "list", "table", "inet", "keepstate"], capture_output=True, text=True,
                              check=True).stdout
     assert "fwd_8" not in listing and '"ksv7" : jump fwd_7' in listing
+
+
+def test_dns_servers_are_opened_only_beside_an_allowed_domain() -> None:
+    from keepstate.egress.policy import parse
+
+    with_domain = parse({"allowOut": ["plain.test"], "denyOut": ["0.0.0.0/0"], "dnsServers": ["198.51.100.53"]})
+    assert with_domain.ip_verdict("198.51.100.53") == "allow" and with_domain.ip_verdict("198.51.100.54") == "name"
+    assert "198.51.100.53" in " ".join(rules(render({"allowOut": ["plain.test"], "denyOut": ["0.0.0.0/0"],
+                                                     "dnsServers": ["198.51.100.53"]}), "fwd_7"))
+    no_domain = parse({"denyOut": ["0.0.0.0/0"], "dnsServers": ["198.51.100.53"]})
+    assert no_domain.ip_verdict("198.51.100.53") == "deny"
+    assert with_domain.to_wire()["dnsServers"] == ["198.51.100.53"]
+    for bad in (["::1"], ["not-an-ip"], ["198.51.100.1"] * 11, "198.51.100.1"):
+        with pytest.raises(BadRequest):
+            parse({"dnsServers": bad})
