@@ -170,8 +170,10 @@ def tree_digest(path: Path) -> str:
 
 
 # -- build ----------------------------------------------------------------------------------------------------
-def build(dest: Path, sources: Sources, wheels: Path, progress: Progress | None = None) -> None:
-    """Lay a runtime out in `dest` (which must not exist). Deterministic for one host's files and pins."""
+def build(dest: Path, sources: Sources, wheels: Path, progress: Progress | None = None,
+          download: bool = True) -> None:
+    """Lay a runtime out in `dest` (which must not exist). Deterministic for one host's files and pins.
+    `download`: fetch missing wheels from PyPI into `wheels` (else a missing one is an error)."""
     say = progress or (lambda _msg: None)
     dest.mkdir(parents=True)
     for d in ("bin", "lib", "site"):
@@ -183,7 +185,7 @@ def build(dest: Path, sources: Sources, wheels: Path, progress: Progress | None 
     stdlib = dest / "lib" / f"python{PYTHON_VERSION}"
     _copy_stdlib(sources.stdlib, stdlib)
     say("agent runtime: the agent's pinned dependencies")
-    _install_pins(list(sources.requirements), dest / "site", wheels)
+    _install_pins(list(sources.requirements), dest / "site", wheels, download)
     say("agent runtime: shared libraries")
     needed: dict[str, Path] = {}
     for elf in (dest / "bin/python3", dest / "bin/setpriv"):
@@ -286,13 +288,15 @@ def _pip(args: Iterable[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
 
 
-def _install_pins(pins: list[str], target: Path, wheels: Path) -> None:
+def _install_pins(pins: list[str], target: Path, wheels: Path, download: bool) -> None:
     """The exact pins, binary wheels only, from `wheels/`; downloaded there first when missing (PyPI)."""
     if not pins:
         return
     install = ["install", "--quiet", "--no-deps", "--no-compile", "--no-warn-script-location", "--no-index",
                "--find-links", str(wheels), "--target", str(target), *pins]
-    if _pip(install).returncode != 0:
+    if (first := _pip(install)).returncode != 0:
+        if not download:
+            raise RuntimeBuildError(f"the agent's wheels are not all in {wheels}: {first.stderr.strip()[-800:]}")
         wheels.mkdir(parents=True, exist_ok=True)
         got = _pip(["download", "--quiet", "--no-deps", "--dest", str(wheels), *pins])
         if got.returncode != 0:
