@@ -88,7 +88,7 @@ def loader_argv(root: str, program: str, *args: str) -> list[str]:
 def agent_argv(root: str = AGENT_RUNTIME, lib: str = AGENT_PACKAGE) -> list[str]:
     """The sandbox's process: tini (static) as PID 1, then the agent on the runtime's Python."""
     return [f"{root}/bin/tini", "-s", "-g", "--",
-            *loader_argv(root, "bin/python3", "-I", "-S", "-u", f"{lib}/keepstate/agent/boot.py")]
+            *loader_argv(root, "bin/python3", "-I", "-S", "-u", "-B", f"{lib}/keepstate/agent/boot.py")]
 
 
 # -- where ----------------------------------------------------------------------------------------------------
