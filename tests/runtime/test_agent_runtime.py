@@ -104,6 +104,20 @@ def test_a_restore_mounts_the_runtime_its_image_names(tmp_path: Path) -> None:
         rt._runtime_for(spec, image)
 
 
+def test_the_sdks_bash_becomes_sh_only_where_there_is_no_bash(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from keepstate.agent import process
+
+    sh = tmp_path / "sh"
+    sh.write_text("")
+    monkeypatch.setattr(process, "FALLBACK_SHELL", str(sh))
+    monkeypatch.setattr(process, "SDK_SHELL", str(tmp_path / "bash"))
+    assert process.shell_fallback([str(tmp_path / "bash"), "-l", "-c", "echo hi"]) == [str(sh), "-l", "-c", "echo hi"]
+    assert process.shell_fallback(["/usr/bin/env", "x"]) == ["/usr/bin/env", "x"]
+    (tmp_path / "bash").write_text("")
+    assert process.shell_fallback([str(tmp_path / "bash"), "-c", "x"]) == [str(tmp_path / "bash"), "-c", "x"]
+
+
 # -- in real sandboxes ---------------------------------------------------------------------------------------
 def _busybox_root(root: Path) -> None:
     """Debian's busybox-static and its applet links, root and user, /tmp: no Python, no glibc, no loader."""
