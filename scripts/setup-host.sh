@@ -57,6 +57,9 @@ apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
   debootstrap iproute2 iptables nftables conntrack util-linux procps ca-certificates \
   python3 python3-venv python3-dev gcc make git restic zstd "${js[@]}" >/dev/null
+# The agent runtime (docs/design/agent-runtime.md) is made of this host's python3.11, tini-static and setpriv;
+# busybox-static is the root of the tests' image with no Python and no glibc.
+apt-get install -y -qq --no-install-recommends python3.11 tini util-linux busybox-static >/dev/null
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 
 # Debian prints "runsc version 0.0~20240729.0", upstream "release-20240729.0".

@@ -62,13 +62,13 @@ class AgentApp:
     def rpc_apps(self) -> dict[str, Any]:
         if self._rpc is None:
             from keepstate.agent.filesystem_service import FilesystemService
-            from keepstate.agent.process import SETPRIV, ProcessTable
+            from keepstate.agent.process import SETPRIV, ProcessTable, setpriv
             from keepstate.agent.process_service import ProcessService
             from keepstate.agent.proto.filesystem.filesystem_connect import FilesystemASGIApplication
             from keepstate.agent.proto.process.process_connect import ProcessASGIApplication
             from keepstate.agent.spare import Spares
 
-            self._process_table = ProcessTable(journal=self.journal, spares=Spares(SETPRIV))
+            self._process_table = ProcessTable(journal=self.journal, spares=Spares(setpriv() or [SETPRIV]))
             self._filesystem = FilesystemService(self.settings, self.journal)
             process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
             fs_app = FilesystemASGIApplication(self._filesystem)

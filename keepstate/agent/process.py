@@ -23,6 +23,7 @@ from typing import Literal, TypeAlias, TypedDict, cast
 from protobuf import Oneof
 
 from keepstate.agent.journal import Journal
+from keepstate.agent.own_tools import IMAGE_SETPRIV, setpriv_command
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
 from keepstate.agent.spare import Spares
@@ -155,15 +156,31 @@ def _identity_kwargs(user: User) -> PopenIdentity:
     return {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
 
 
-SETPRIV = "/usr/bin/setpriv"
-_setpriv_ok: bool | None = None
+SETPRIV = IMAGE_SETPRIV  # the image's; the agent prefers the runtime's (own_tools.setpriv_command)
+_setpriv: list[str] | None | bool = False  # False: not looked up yet
+
+
+def setpriv() -> list[str] | None:
+    """The argv prefix that runs setpriv (the agent runtime's, else the image's), None without one."""
+    global _setpriv
+    if _setpriv is False:
+        _setpriv = setpriv_command()
+    return _setpriv if isinstance(_setpriv, list) else None
 
 
 def _has_setpriv() -> bool:
-    global _setpriv_ok
-    if _setpriv_ok is None:
-        _setpriv_ok = os.access(SETPRIV, os.X_OK)
-    return _setpriv_ok
+    return setpriv() is not None
+
+
+# The SDK runs every command as `/bin/bash -l -c CMD`; busybox and alpine images have no bash, only a POSIX sh.
+SDK_SHELL, FALLBACK_SHELL = "/bin/bash", "/bin/sh"
+
+
+def shell_fallback(argv: list[str]) -> list[str]:
+    """`argv` with the SDK's /bin/bash replaced by /bin/sh on an image that has no bash (agent-runtime.md)."""
+    if argv and argv[0] == SDK_SHELL and not os.path.lexists(SDK_SHELL) and os.path.exists(FALLBACK_SHELL):
+        return [FALLBACK_SHELL, *argv[1:]]
+    return argv
 
 
 def _resolve_program(cmd: str, env: dict[str, str]) -> str:
@@ -186,11 +203,12 @@ def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[l
     changes identity after a vfork instead: about 15 ms less per command, and the loop is free after ~3 ms. It sets
     real, effective and saved ids, so no root is left to regain (test_user_has_no_root_left)."""
     identity = _identity_kwargs(user)
-    if not identity or not _has_setpriv():
+    command = setpriv()
+    if not identity or command is None:
         return argv, identity
     groups = ",".join(str(g) for g in os.getgrouplist(user.name, user.gid))
     program = _resolve_program(argv[0], env)
-    return [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--", program,
+    return [*command, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--", program,
             *argv[1:]], {}
 
 
@@ -223,7 +241,7 @@ class ManagedProcess:
         common: _PopenCommon = {
             "cwd": spec.cwd, "env": spec.env, "umask": 0o022, "start_new_session": True, "close_fds": True,
         }
-        argv = [spec.cmd, *spec.args]
+        argv = shell_fallback([spec.cmd, *spec.args])
         try:
             if spec.pty_size is not None:
                 return self._spawn_pty(argv, common, _identity_kwargs(spec.user))

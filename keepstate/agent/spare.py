@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from collections.abc import Sequence
 
 from keepstate.agent.users import User
 
@@ -52,6 +53,10 @@ PERL = "/usr/bin/perl"
 IDLE_S = 0.25  # after a command's end with no other command started since: make the next spare
 
 
+def _argv(setpriv: str | Sequence[str]) -> list[str]:
+    return [setpriv] if isinstance(setpriv, str) else list(setpriv)
+
+
 def identity_of(user: User) -> tuple[int, int, tuple[int, ...]]:
     return user.uid, user.gid, tuple(os.getgrouplist(user.name, user.gid))
 
@@ -68,13 +73,13 @@ def encode(argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> bytes
 class Spare:
     """One waiting child; `popen` is the command's Popen once `run` has been called."""
 
-    def __init__(self, setpriv: str, user: User) -> None:
+    def __init__(self, setpriv: str | Sequence[str], user: User) -> None:
         self.identity = identity_of(user)
         uid, gid, groups = self.identity
         read_end, self._ctl = os.pipe()
         try:
             self.popen = subprocess.Popen(  # noqa: S603 - our own stub, as the user
-                [setpriv, f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--",
+                [*_argv(setpriv), f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--",
                  PERL, "-e", STUB, str(read_end)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,),
                 cwd="/", env={}, umask=0o022, start_new_session=True, close_fds=True,
@@ -116,8 +121,9 @@ class Spare:
 class Spares:
     """At most one spare per user, refilled when taken."""
 
-    def __init__(self, setpriv: str) -> None:
-        self._setpriv = setpriv
+    def __init__(self, setpriv: str | Sequence[str]) -> None:
+        """`setpriv`: its path, or the argv prefix that runs it (the agent runtime's, through its loader)."""
+        self._setpriv = _argv(setpriv)
         self._by_uid: dict[int, Spare] = {}
         self._timer: asyncio.TimerHandle | None = None
 
@@ -125,7 +131,7 @@ class Spares:
         """Have a spare ready for `user` (root needs none: the agent starts its commands without an identity
         change)."""
         if user.uid == 0 or user.uid in self._by_uid or os.geteuid() != 0 or not all(
-                os.access(p, os.X_OK) for p in (self._setpriv, PERL)):
+                os.access(p, os.X_OK) for p in (self._setpriv[0], self._setpriv[-1], PERL)):
             return
         try:
             self._by_uid[user.uid] = Spare(self._setpriv, user)

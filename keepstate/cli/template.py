@@ -45,8 +45,11 @@ def ls(as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Rebuild even if the current definition is built.")
 @home_option
 def build(name: str, force: bool) -> None:
-    """Build template NAME (cached: only rebuilt when its definition changes)."""
-    from keepstate.template.builder import ensure_built
+    """Build template NAME (cached: only rebuilt when its definition changes), and the agent runtime every
+    sandbox runs its agent on (docs/design/agent-runtime.md), if this host has none yet."""
+    from keepstate.runtime.agent_runtime import ensure
+    from keepstate.template.builder import ensure_built, stderr_progress
 
     b = ensure_built(name, force=force)
+    ensure(stderr_progress)
     click.echo(f"{b.name} {b.digest}")

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import keepstate
-from keepstate.mountpoints import TEMPLATE_VIEW, VOLUME_MOUNTS_ENV, VOLUME_SLOTS, VOLUMES_DIR
+from keepstate.mountpoints import AGENT_RUNTIME, TEMPLATE_VIEW, VOLUME_MOUNTS_ENV, VOLUME_SLOTS, VOLUMES_DIR
 from keepstate.ports import AGENT_PORT
 
+from . import agent_runtime as agent_rt
 from . import cgroups, network, remains
 from .base import Endpoint, Handle, Leftover, RuntimeFailure, SandboxSpec, host_cpu_flags
 from .runsc_state import container_state, container_states
@@ -55,12 +56,17 @@ _SHIM_DISK = ("mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && "
 _DISK_FORMAT = ["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", "-m", "0"]
 
 
+# Which agent runtime an instance runs on (its digest), beside its bundle and in every checkpoint image of it:
+# a restore mounts that runtime again (docs/design/agent-runtime.md).
+RUNTIME_FILE = "agent-runtime"
+
+
 def agent_command() -> list[str]:
-    # tini is PID 1: it reaps orphans so the agent does not have to.
-    return ["/usr/bin/tini", "-s", "-g", "--", "/usr/bin/python3", "-m", "keepstate.agent"]
+    # tini is PID 1: it reaps orphans so the agent does not have to. Both come from the agent runtime, not the image.
+    return agent_rt.agent_argv()
 
 
-def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, Any]:
+def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path, rt_dir: Path) -> dict[str, Any]:
     """The OCI bundle config for a sandbox: pure, so tests can check it without runsc."""
     if len(spec.mounts) > VOLUME_SLOTS:
         raise RuntimeFailure(f"a sandbox mounts at most {VOLUME_SLOTS} volumes")
@@ -74,9 +80,6 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
             "args": agent_command(),
             "env": [
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "PYTHONPATH=/opt/keepstate/lib:/opt/keepstate/site",
-                "PYTHONDONTWRITEBYTECODE=1",
-                "PYTHONUNBUFFERED=1",
                 "HOME=/root",
                 "LANG=C.UTF-8",
                 f"{VOLUME_MOUNTS_ENV}=" + json.dumps([[f"{VOLUMES_DIR}/{i}", m.destination]
@@ -98,6 +101,7 @@ def oci_spec(spec: SandboxSpec, link: network.Link, lib_dir: Path) -> dict[str, 
              "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/opt/keepstate/lib/keepstate", "type": "bind", "source": str(lib_dir),
              "options": ["rbind", "ro"]},
+            {"destination": AGENT_RUNTIME, "type": "bind", "source": str(rt_dir), "options": ["rbind", "ro"]},
             {"destination": TEMPLATE_VIEW, "type": "bind", "source": str(spec.template.rootfs),
              "options": ["rbind", "ro"]},
             # Volumes: served by the gofer (file-access-mounts=shared), outside the checkpoint image.
@@ -168,6 +172,7 @@ class GVisorRuntime:
         self.lib_dir = Path(keepstate.__file__).resolve().parent
         self.slots = HostSlots()
         self._release: str | None = None
+        self._agent_runtime: agent_rt.AgentRuntime | None = None
 
     @property
     def release(self) -> str:
@@ -175,8 +180,20 @@ class GVisorRuntime:
             self._release = runsc_release()
         return self._release
 
+    @property
+    def agent_runtime(self) -> agent_rt.AgentRuntime:
+        """This host's agent runtime, found or built (once; the first build of a host downloads the agent's
+        wheels)."""
+        if self._agent_runtime is None:
+            try:
+                self._agent_runtime = agent_rt.ensure(lambda msg: log.info("%s", msg))
+            except agent_rt.RuntimeBuildError as exc:
+                raise RuntimeFailure(f"no agent runtime: {exc}") from exc
+        return self._agent_runtime
+
     def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
         network.install_firewall(open_ports)
+        self.agent_runtime  # noqa: B018 - built before the first sandbox, not inside a create
 
     # -- helpers -------------------------------------------------------------------
     def _global_flags(self, disk: Path | None) -> list[str]:
@@ -214,11 +231,30 @@ class GVisorRuntime:
     def _dir(self, name: str) -> Path:
         return self.state_dir / name
 
-    def _bundle(self, spec: SandboxSpec, link: network.Link) -> Path:
+    def _bundle(self, spec: SandboxSpec, link: network.Link, rt: agent_rt.AgentRuntime) -> Path:
         bundle = self._dir(spec.name) / "bundle"
         bundle.mkdir(parents=True, exist_ok=True)
-        (bundle / "config.json").write_text(json.dumps(oci_spec(spec, link, self.lib_dir), indent=1))
+        (self._dir(spec.name) / RUNTIME_FILE).write_text(rt.digest + "\n")
+        mount_point = spec.template.rootfs / AGENT_RUNTIME.lstrip("/")
+        if not mount_point.is_dir():
+            # A build from before the runtime: runsc would make the point in this shared directory itself.
+            mount_point.mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(oci_spec(spec, link, self.lib_dir, rt.path), indent=1))
         return bundle
+
+    def _runtime_for(self, spec: SandboxSpec, image_dir: Path | None) -> agent_rt.AgentRuntime:
+        """The current runtime for a new boot; for a restore the one its image was taken with."""
+        recorded = image_dir / RUNTIME_FILE if image_dir is not None else None
+        if recorded is None or not recorded.is_file():
+            return self.agent_runtime  # a new boot, or an image from before the runtime was recorded
+        digest = recorded.read_text().strip()
+        if digest == self.agent_runtime.digest:
+            return self.agent_runtime
+        found = agent_rt.find(digest)
+        if found is None:
+            raise RuntimeFailure(f"the image of {spec.name} was taken on agent runtime {digest[:16]}, which this "
+                                 f"host does not have (its own is {self.agent_runtime.digest[:16]})")
+        return found
 
     def _disk(self, spec: SandboxSpec) -> tuple[Path, Path] | None:
         """A fresh disk for the sandbox's writable layer: a copy of a pre-formatted sparse image of its quota
@@ -258,10 +294,11 @@ class GVisorRuntime:
 
     # -- Runtime -------------------------------------------------------------------
     def create(self, spec: SandboxSpec, slot: int) -> Handle:
+        rt = self._runtime_for(spec, None)
         disk = self._disk(spec)
         link = network.link_for(slot)
         network.create(link)
-        bundle = self._bundle(spec, link)
+        bundle = self._bundle(spec, link, rt)
         log = self._dir(spec.name) / "runsc.log"
         proc = self._runsc("run", "--detach", f"--bundle={bundle}", spec.name, log=log, detach_io=True,
                            disk=disk)
@@ -293,6 +330,8 @@ class GVisorRuntime:
             args.append("--leave-running")
         cgroups.thaw(handle.name)  # runsc talks to the sentry: an idle-frozen one would never answer
         proc = self._runsc(*args, handle.name, timeout=600)
+        if proc.returncode == 0 and (self._dir(handle.name) / RUNTIME_FILE).is_file():
+            shutil.copyfile(self._dir(handle.name) / RUNTIME_FILE, image_dir / RUNTIME_FILE)
         if proc.returncode != 0:
             # The whole of what runsc said (a state-encoding panic names the object under its stack) goes
             # to the log and beside the sandbox: the error itself carries only the gist.
@@ -313,10 +352,11 @@ class GVisorRuntime:
             raise RuntimeFailure(f"runsc resume of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
+        rt = self._runtime_for(spec, image_dir)
         disk = self._disk(spec)
         link = network.link_for(slot)
         network.create(link)
-        bundle = self._bundle(spec, link)
+        bundle = self._bundle(spec, link, rt)
         log = self._dir(spec.name) / "runsc.log"
         proc = self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}",
                            spec.name, timeout=600, log=log, detach_io=True, disk=disk)

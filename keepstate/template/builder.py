@@ -27,7 +27,7 @@ import blake3
 
 from keepstate.config import home
 from keepstate.errors import KeepStateError, Unavailable
-from keepstate.mountpoints import TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
+from keepstate.mountpoints import AGENT_RUNTIME, TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
 
 from .definition import Defaults, Definition, agent_requirements, definition_digest, load
 
@@ -266,7 +266,7 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
                 _pip_target(reqs, rootfs / "opt/keepstate/site", "agent dependencies")
             # Every mount point a sandbox's spec names exists in the build: runsc would otherwise create it in
             # this (shared, read-only to sandboxes) directory.
-            for point in ("opt/keepstate/lib/keepstate", TEMPLATE_VIEW.lstrip("/"),
+            for point in ("opt/keepstate/lib/keepstate", AGENT_RUNTIME.lstrip("/"), TEMPLATE_VIEW.lstrip("/"),
                           *(f"{VOLUMES_DIR.lstrip('/')}/{i}" for i in range(VOLUME_SLOTS))):
                 (rootfs / point).mkdir(parents=True, exist_ok=True)
         if d.pip:

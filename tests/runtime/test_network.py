@@ -33,34 +33,39 @@ def test_slots_are_disjoint_30s_and_avoid_the_gateway_address() -> None:
 def test_oci_spec_limits_namespace_and_readonly_lib() -> None:
     link = network.link_for(5)
     spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(1.5, 256, 99))
-    doc = oci_spec(spec, link, Path("/lib/keepstate"))
+    doc = oci_spec(spec, link, Path("/lib/keepstate"), Path("/rt/abc"))
     res = doc["linux"]["resources"]
     assert res["memory"]["limit"] == 256 << 20 and res["cpu"]["quota"] == 150_000 and res["pids"]["limit"] == 99
     assert res["cpu"]["shares"] == 1536  # 1024 per CPU: under contention each sandbox gets its limit's share
     assert {"type": "network", "path": "/run/netns/ks5"} in doc["linux"]["namespaces"]
     lib = [m for m in doc["mounts"] if m["destination"] == "/opt/keepstate/lib/keepstate"][0]
     assert "ro" in lib["options"]
-    assert doc["process"]["args"][0] == "/usr/bin/tini"
+    # the agent and its PID 1 come from the agent runtime, mounted read-only (docs/design/agent-runtime.md)
+    assert {"destination": "/opt/keepstate/rt", "type": "bind", "source": "/rt/abc",
+            "options": ["rbind", "ro"]} in doc["mounts"]
+    assert doc["process"]["args"][0] == "/opt/keepstate/rt/bin/tini"
+    assert doc["process"]["args"][4:9] == ["/opt/keepstate/rt/lib/ld-linux-x86-64.so.2", "--inhibit-cache",
+                                           "--library-path", "/opt/keepstate/rt/lib", "/opt/keepstate/rt/bin/python3"]
 
 
 def test_oci_spec_cpu_shares_follow_the_cpu_limit() -> None:
     link = network.link_for(5)
     for cpu, shares in ((0.5, 512), (1, 1024), (2, 2048), (4, 4096)):
         spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(cpu, 256))
-        assert oci_spec(spec, link, Path("/l"))["linux"]["resources"]["cpu"]["shares"] == shares
+        assert oci_spec(spec, link, Path("/l"), Path("/rt"))["linux"]["resources"]["cpu"]["shares"] == shares
 
 
 def test_oci_spec_bind_mounts_volumes_read_write() -> None:
     link = network.link_for(5)
     spec = SandboxSpec(name="ks-x", template=TemplateRoot("base", "d", Path("/r")), limits=Limits(),
                        mounts=(Mount(Path("/home/v/fs/data"), "/mnt/data"),))
-    doc = oci_spec(spec, link, Path("/lib/keepstate"))
+    doc = oci_spec(spec, link, Path("/lib/keepstate"), Path("/rt/abc"))
     # at a mount point every build has (never one runsc would make in the template's directory); the agent
     # bind-mounts it at the path asked for
     assert {"destination": "/opt/keepstate/volumes/0", "type": "bind", "source": "/home/v/fs/data",
             "options": ["rbind", "rw"]} in doc["mounts"]
     assert 'KEEPSTATE_VOLUME_MOUNTS=[["/opt/keepstate/volumes/0", "/mnt/data"]]' in doc["process"]["env"]
-    plain = oci_spec(SandboxSpec(name="ks-y", template=spec.template, limits=Limits()), link, Path("/l"))
+    plain = oci_spec(SandboxSpec(name="ks-y", template=spec.template, limits=Limits()), link, Path("/l"), Path("/rt"))
     assert len(doc["mounts"]) == len(plain["mounts"]) + 1
 
 
