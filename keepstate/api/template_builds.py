@@ -160,8 +160,14 @@ async def list_tags(request: web.Request) -> web.Response:
 
 
 @routes.delete("/templates/{template_id}")
-async def delete_template(request: web.Request) -> web.Response:
-    await asyncio.to_thread(builds(request).delete, request.match_info["template_id"])
+async def delete_template(request: web.Request) -> web.StreamResponse:
+    """A built template, else a snapshot (what `Sandbox.delete_snapshot` sends here too)."""
+    s, ref = builds(request), request.match_info["template_id"]
+    if s.catalog.get_template(split_ref(ref)[0]) is None:
+        from .control import delete_snapshot
+
+        return await delete_snapshot(request)
+    await asyncio.to_thread(s.delete, ref)
     return web.Response(status=204)
 
 
