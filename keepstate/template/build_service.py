@@ -38,6 +38,7 @@ from .uploads import Uploads
 
 if TYPE_CHECKING:
     from keepstate.sandbox.manager import SandboxManager
+    from keepstate.sandbox.record import SandboxRow
 
 log = logging.getLogger("keepstate.template")
 
@@ -357,36 +358,44 @@ class TemplateBuilds:
             raise StepFailed("base", f"the build sandbox could not start from '{parent}': {exc.message}") from None
         sandbox_id = row.sandbox_id
         try:
-            for i, s in enumerate(spec.steps, 1):
-                if i <= hit:
-                    logs.add(f"CACHED [{i}/{n}] {s.describe()}", step=str(i))
-                    continue
-                logs.add(f"[{i}/{n}] {s.describe()}", step=str(i))
-                await self._step(i, s, row.address, row.access_token, state, logs, sandbox_id)
-            if hit < n:
-                self.m.idle.wake(sandbox_id)
-                await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
-                cp = await self.m.checkpoint(sandbox_id)
-                taken.append(cp)
-                self.catalog.put_layer(keys[n - 1], cp, state.to_json())
-                logs.add(f"layer cached ({cp})")
-            await self._finalize(spec, row.address, row.access_token, state, logs, sandbox_id)
-            self.m.idle.wake(sandbox_id)
-            await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
-            try:
-                cp = await self.m.checkpoint(sandbox_id)
-            except KeepStateError as exc:
-                raise StepFailed("finalize", f"the template snapshot failed: {exc.message}") from None
-            taken.append(cp)
-            b.status, b.checkpoint_id, b.sandbox_id, b.finished_at = "ready", cp, sandbox_id, time.time()
-            self.catalog.publish_build(b, tags)
-            self.catalog.put_layer(f"build:{b.build_id}", cp, state.to_json())
-            taken.clear()  # published: they are the template's now
-            logs.add(f"template {t.name} ({t.template_id}) ready: tags {', '.join(tags)}", step="finalize")
-            return sandbox_id
+            with self.m.agents.in_use(sandbox_id):
+                return await self._steps_and_finish(b, spec, tags, row, state, keys, hit, logs, taken)
         finally:
             with contextlib.suppress(KeepStateError):
                 await self.m.kill(sandbox_id, "template build finished")
+
+    async def _steps_and_finish(self, b: BuildRecord, spec: BuildSpec, tags: list[str], row: SandboxRow,
+                                state: State, keys: list[str], hit: int, logs: BuildLog, taken: list[str]) -> str:
+        sandbox_id, n = row.sandbox_id, len(spec.steps)
+        t = self.catalog.get_template(b.template_id)
+        assert t is not None
+        for i, s in enumerate(spec.steps, 1):
+            if i <= hit:
+                logs.add(f"CACHED [{i}/{n}] {s.describe()}", step=str(i))
+                continue
+            logs.add(f"[{i}/{n}] {s.describe()}", step=str(i))
+            await self._step(i, s, row.address, row.access_token, state, logs, sandbox_id)
+        if hit < n:
+            self.m.idle.wake(sandbox_id)
+            await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
+            cp = await self.m.checkpoint(sandbox_id)
+            taken.append(cp)
+            self.catalog.put_layer(keys[n - 1], cp, state.to_json())
+            logs.add(f"layer cached ({cp})")
+        await self._finalize(spec, row.address, row.access_token, state, logs, sandbox_id)
+        self.m.idle.wake(sandbox_id)
+        await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
+        try:
+            cp = await self.m.checkpoint(sandbox_id)
+        except KeepStateError as exc:
+            raise StepFailed("finalize", f"the template snapshot failed: {exc.message}") from None
+        taken.append(cp)
+        b.status, b.checkpoint_id, b.sandbox_id, b.finished_at = "ready", cp, sandbox_id, time.time()
+        self.catalog.publish_build(b, tags)
+        self.catalog.put_layer(f"build:{b.build_id}", cp, state.to_json())
+        taken.clear()  # published: they are the template's now
+        logs.add(f"template {t.name} ({t.template_id}) ready: tags {', '.join(tags)}", step="finalize")
+        return sandbox_id
 
     async def _exec(self, sandbox_id: str, address: str, token: str, cmd: str, user: str, env: dict[str, str],
                     cwd: str | None, logs: BuildLog, step: str) -> sandbox_exec.Result:
@@ -402,8 +411,10 @@ class TemplateBuilds:
         where = str(i)
         if s.type in ("ENV", "WORKDIR", "USER"):
             state.apply(s)
-            if s.type == "WORKDIR":  # Docker makes it; so does E2B
-                await self._run_cmd(sandbox_id, address, token, f"mkdir -p {shlex.quote(state.workdir)}",
+            if s.type == "WORKDIR":  # Docker makes it; so does E2B: owned by the current user when it is new
+                w, u = shlex.quote(state.workdir), shlex.quote(state.user)
+                await self._run_cmd(sandbox_id, address, token,
+                                    f'[ -d {w} ] || {{ mkdir -p {w} && chown {u}:"$(id -gn {u})" {w}; }}',
                                     "root", {}, None, logs, where)
             return
         if s.type == "RUN":

@@ -36,6 +36,7 @@ def _run_sync(address: str, token: str, cmd: str, user: str, env: dict[str, str]
               on_line: Callable[[str], None]) -> Result:
     from connectrpc.errors import ConnectError
     from protobuf import Oneof
+    from pyqwest import SyncClient, SyncHTTPTransport
 
     from keepstate.agent.proto.process.process_connect import ProcessClientSync
     from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, StartRequest
@@ -54,8 +55,12 @@ def _run_sync(address: str, token: str, cmd: str, user: str, env: dict[str, str]
     config = ProcessConfig(cmd="/bin/bash", args=["-l", "-c", cmd], envs=dict(env), cwd=cwd) if cwd else \
         ProcessConfig(cmd="/bin/bash", args=["-l", "-c", cmd], envs=dict(env))
     code = -1
+    # Our own transport, keeping no idle connection: the shared default one would keep one open into the sandbox
+    # for its next snapshot (a connection open at checkpoint time wedges the restored agent).
+    transport = SyncHTTPTransport(pool_max_idle_per_host=0, connect_timeout=10.0)
     try:
-        with ProcessClientSync(f"http://{address}:{AGENT_PORT}") as client:
+        with transport, ProcessClientSync(f"http://{address}:{AGENT_PORT}",
+                                          http_client=SyncClient(transport)) as client:
             for resp in client.start(StartRequest(process=config, stdin=False), headers=_headers(token, user),
                                      timeout_ms=None):
                 match resp.event.event if resp.event else None:
