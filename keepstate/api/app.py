@@ -214,10 +214,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[DOMAIN] = config.domain or f"localhost:{config.port}"
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
+    # First: `DELETE /templates/{id}` deletes a built template, else hands over to control's snapshot delete, and
+    # `/templates/tags` is not a template's ID.
+    app.add_routes(build_routes.routes)
     app.add_routes(control.routes)
     app.add_routes(events.routes)
     app.add_routes(logs.routes)
-    app.add_routes(build_routes.routes)  # before template_routes: `/templates/tags` is not a template's ID
     app.add_routes(template_routes.routes)
     app.add_routes(volume_routes.routes)
     app.add_routes(secret_routes.routes)
