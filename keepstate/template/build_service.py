@@ -133,6 +133,7 @@ class TemplateBuilds:
         self.logs: dict[str, BuildLog] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._one = asyncio.Lock()
+        self.ready_timeout = DEFAULT_READY_TIMEOUT  # seconds a ready command may keep failing
         manager.template_resolver = self.resolve
         for b in catalog.builds():  # a build this server did not finish will never finish
             if b.status in ("waiting", "building"):
@@ -468,7 +469,7 @@ class TemplateBuilds:
                                              f"{r.error or 'exit status ' + str(r.exit_code)}")
         if spec.ready_cmd:
             logs.add(f"waiting for the ready command: {spec.ready_cmd}", step="finalize")
-            deadline = time.monotonic() + DEFAULT_READY_TIMEOUT
+            deadline = time.monotonic() + self.ready_timeout
             while True:
                 r = await self._exec(sandbox_id, address, token, spec.ready_cmd, state.user, state.env,
                                      state.workdir, logs, "finalize")
@@ -478,7 +479,7 @@ class TemplateBuilds:
                     break
                 if time.monotonic() > deadline:
                     raise StepFailed("finalize", f"ready command '{spec.ready_cmd}' did not succeed within "
-                                                 f"{DEFAULT_READY_TIMEOUT:.0f} s (the ready timeout); last exit "
+                                                 f"{self.ready_timeout:.0f} s (the ready timeout); last exit "
                                                  f"status {r.exit_code}")
                 await asyncio.sleep(1.0)  # the poll interval of E2B's builder
             logs.add("ready", step="finalize")
