@@ -637,11 +637,15 @@ class SandboxManager:
             manifest = await self._checkpoint_running(row, "snapshot")
         return manifest.checkpoint_id
 
-    async def set_defaults(self, sandbox_id: str, user: str, workdir: str, env: dict[str, str]) -> None:
+    async def set_defaults(self, sandbox_id: str, user: str, workdir: str, env: dict[str, str],
+                           metadata: dict[str, str] | None = None) -> None:
         """A running sandbox's default user, workdir and env, in its record (which its checkpoints carry to every
-        sandbox made from them) and in its agent: a template build's finish. Legal where a snapshot is."""
+        sandbox made from them) and in its agent: a template build's finish. `metadata` is added to its own (a
+        checkpoint's label carries it: what lets another server sharing the store find a template). Legal where a
+        snapshot is."""
         async with self._command(sandbox_id, Command.SNAPSHOT) as row:
             row.settings.user, row.settings.workdir = user, workdir
+            row.settings.metadata.update(metadata or {})
             row.settings.template_env = {**row.settings.template_env, **env}
             self.catalog.put_sandbox(row)
             await self.instances.init_agent(row, self.gateway.env(row), previous_token=row.access_token)
@@ -650,14 +654,10 @@ class SandboxManager:
         snap = self.catalog.get_snapshot(ref)
         if snap is not None:
             return snap
-        if self.template_resolver is not None:
-            found = self.template_resolver(ref)
-            if found is not None:
-                return found
         for s in self.catalog.snapshots():
             if ref in s["names"] or ref.split(":")[0] in s["names"]:
                 return s
-        return None
+        return self.template_resolver(ref) if self.template_resolver is not None else None
 
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:

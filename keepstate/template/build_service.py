@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import secrets
@@ -47,6 +48,8 @@ BUILD_TIMEOUT = 3600
 NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9._/-]{0,127}\Z")
 TAG_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 DEFAULT_TAG = "default"
+STORE_LABEL = "keepstate.template"  # the template snapshot's metadata key: how another server finds it in the store
+MISS_TTL = 5.0  # a name the store was searched for in vain is not searched again for this long
 
 
 class StepFailed(Exception):
@@ -134,6 +137,7 @@ class TemplateBuilds:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._one = asyncio.Lock()
         self.ready_timeout = DEFAULT_READY_TIMEOUT  # seconds a ready command may keep failing
+        self._misses: dict[str, float] = {}
         manager.template_resolver = self.resolve
         for b in catalog.builds():  # a build this server did not finish will never finish
             if b.status in ("waiting", "building"):
@@ -159,12 +163,46 @@ class TemplateBuilds:
 
     def ready_build(self, ref: str) -> BuildRecord | None:
         name, tag = split_ref(ref)
-        t = self.catalog.get_template(name)
+        t = self.catalog.get_template(name) or self._from_store(name, tag)
         if t is None:
             return None
         build_id = self.catalog.tag_build(t.template_id, tag)
         b = self.catalog.get_build(build_id) if build_id else None
         return b if b is not None and b.status == "ready" else None
+
+    def _from_store(self, name: str, tag: str) -> TemplateRecord | None:
+        """A template another server sharing the store built: its newest snapshot labelled with this name and tag,
+        recorded in this catalog from now on. A miss is remembered for MISS_TTL seconds (the search reads every
+        manifest); this server's own TOML templates are never searched for."""
+        if not NAME_RE.match(name) or name in self.m.templates.names() \
+                or self._misses.get(f"{name}:{tag}", 0.0) > time.monotonic():
+            return None
+        found: tuple[dict[str, Any], str] | None = None
+        for m in self.m.durable.repo.list_checkpoints():
+            try:
+                doc = json.loads(m.meta.labels.get("sandbox", "{}")).get("doc", {})
+                label = json.loads((doc.get("metadata") or {}).get(STORE_LABEL, "null"))
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(label, dict) and label.get("name") == name and tag in (label.get("tags") or []):
+                found = (label, m.checkpoint_id)  # oldest first: the last one wins
+        if found is None:
+            self._misses[f"{name}:{tag}"] = time.monotonic() + MISS_TTL
+            return None
+        label, checkpoint_id = found
+        now = time.time()
+        record = TemplateRecord(str(label["template_id"]), name, int(label.get("cpu") or 0),
+                                int(label.get("memory_mb") or 0), now, now)
+        with contextlib.suppress(Conflict):
+            self.catalog.put_template(record)
+        b = BuildRecord(build_id=str(label["build_id"]), template_id=record.template_id, status="ready",
+                        created_at=now, checkpoint_id=checkpoint_id, finished_at=now)
+        self.catalog.put_build(b)
+        self.catalog.publish_build(b, [str(t) for t in label.get("tags") or []])
+        self.catalog.put_layer(f"build:{b.build_id}", checkpoint_id, dict(label.get("state") or {}))
+        log.info("template %s:%s (%s) found in the shared store: checkpoint %s", name, tag, record.template_id,
+                 checkpoint_id)
+        return self.catalog.get_template(name)
 
     def template(self, ref: str) -> TemplateRecord:
         t = self.catalog.get_template(split_ref(ref)[0])
@@ -385,7 +423,10 @@ class TemplateBuilds:
             logs.add(f"layer cached ({cp})")
         await self._finalize(spec, row.address, row.access_token, state, logs, sandbox_id)
         self.m.idle.wake(sandbox_id)
-        await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
+        label = {"name": t.name, "template_id": t.template_id, "build_id": b.build_id, "tags": tags,
+                 "cpu": t.cpu, "memory_mb": t.memory_mb, "state": state.to_json()}
+        await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env,
+                                  {STORE_LABEL: json.dumps(label, sort_keys=True)})
         try:
             cp = await self.m.checkpoint(sandbox_id)
         except KeepStateError as exc:
