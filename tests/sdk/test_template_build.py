@@ -246,3 +246,17 @@ def test_the_cli_builds_a_dockerfile_on_a_built_template(built: Built, server: S
     out = subprocess.run([str(KEEPSTATE), "template", "build", "--dockerfile", str(bad), "--name", _name("multi")],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "multi-stage" in out.stderr
+
+
+def test_the_code_interpreters_sdk_runs_code_in_a_template_built_on_it(e2b_env: None) -> None:
+    ci = pytest.importorskip("e2b_code_interpreter")
+    name = _name("ci")
+    t = Template().from_template("code-interpreter-v1").run_cmd("echo 41 > /home/user/n")
+    Template.build(t, name)
+    sbx = ci.Sandbox.create(name, timeout=120)
+    try:
+        execution = sbx.run_code("print(int(open('/home/user/n').read()) + 1)")
+        assert execution.error is None, execution.error
+        assert execution.logs.stdout == ["42\n"]
+    finally:
+        sbx.kill()
