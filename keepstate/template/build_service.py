@@ -288,9 +288,14 @@ class TemplateBuilds:
                 await task
 
     def delete(self, ref: str) -> None:
+        """Forget the template, its builds and tags, and delete its snapshots from the store (sandboxes made from
+        them need them no more; `store gc` then reclaims what no other checkpoint shares). Step-cache layers stay:
+        other templates may start from them."""
         t = self.template(ref)
         held = self.catalog.delete_template(t.template_id)
-        log.info("template %s (%s) deleted; %d checkpoints left to `store gc`", t.name, t.template_id, len(held))
+        for cp in held:
+            self._forget_checkpoint(cp)
+        log.info("template %s (%s) deleted with %d snapshots", t.name, t.template_id, len(held))
 
     # -- the build --------------------------------------------------------------------------------------------
     @staticmethod
@@ -362,6 +367,8 @@ class TemplateBuilds:
             self.catalog.delete_layer(key)
         with contextlib.suppress(Exception):
             self.m.durable.repo.delete_checkpoint(checkpoint_id)
+        with contextlib.suppress(Exception):
+            self.m.recorder.lineage.forget_checkpoint(checkpoint_id)
 
     def _layers_of(self, checkpoint_id: str) -> list[tuple[str, str]]:
         rows = self.catalog._q("SELECT cache_key, checkpoint_id FROM template_layers WHERE checkpoint_id=?",

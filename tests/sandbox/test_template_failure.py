@@ -42,3 +42,29 @@ async def test_a_ready_command_that_never_succeeds_fails_the_build_and_publishes
         status, err = await served.call("POST", "/v2/sandboxes", {"templateID": "never-ready", "timeout": 30})
         assert status == 404, err
         assert not [r for r in served.manager.listed()]
+
+
+@pytest.mark.timeout(300)
+async def test_deleting_a_template_deletes_its_snapshot_and_keeps_the_step_cache() -> None:
+    async with serving("gvisor", pool_size=1) as served:
+        repo = served.manager.durable.repo
+        before = set(await asyncio.to_thread(repo.ref_ids))
+        status, info = await served.call("POST", "/v3/templates", {"name": "short-lived", "memoryMB": 512})
+        path = f"/templates/{info['templateID']}/builds/{info['buildID']}"
+        status, _ = await served.call("POST", "/v2" + path, {
+            "fromTemplate": "base", "steps": [{"type": "RUN", "args": ["echo x > /tmp/x"], "force": False}]})
+        assert status == 202
+        deadline = time.monotonic() + 240
+        while (build := (await served.call("GET", path + "/status"))[1])["status"] not in ("ready", "error"):
+            assert time.monotonic() < deadline, build
+            await asyncio.sleep(0.5)
+        assert build["status"] == "ready", build
+        taken = set(await asyncio.to_thread(repo.ref_ids)) - before
+        assert len(taken) == 2  # the step's layer and the template's snapshot
+        status, _ = await served.call("DELETE", "/templates/short-lived")
+        assert status == 204
+        left = set(await asyncio.to_thread(repo.ref_ids)) - before
+        assert len(left) == 1 and left < taken  # the layer stays for the step cache
+        assert served.manager.catalog._q("SELECT COUNT(*) FROM template_layers")[0][0] == 1
+        status, _ = await served.call("POST", "/v2/sandboxes", {"templateID": "short-lived", "timeout": 30})
+        assert status == 404
