@@ -180,6 +180,13 @@ def is_gzip(head: bytes) -> bool:
     return head[:2] == b"\x1f\x8b"
 
 
+def has_directories(archive: IO[bytes]) -> bool:
+    """Whether the tar holds directory entries: e2b releases before 2.5x hashed a directory's on-disk size, which
+    no tar records, so their hash of such an upload cannot be recomputed here."""
+    with tarfile.open(fileobj=archive, mode="r:*") as tar:
+        return any(m.isdir() for m in tar)
+
+
 def archive_hash(src: str, dest: str, archive: IO[bytes]) -> str:
     """The SDK's `calculate_files_hash`, recomputed from the uploaded tar: the tar holds exactly the files it hashed,
     in the same order, with their modes, sizes, link targets and contents."""
