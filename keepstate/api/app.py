@@ -33,11 +33,14 @@ from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.secret import SecretStore
 from keepstate.secret.crypto import KEY_FILE, Sealer
 from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
+from keepstate.template.build_service import TemplateBuilds
+from keepstate.template.uploads import PREFIX as UPLOAD_PREFIX
 from keepstate.volume import Volumes
 from keepstate.volume.store import DEFAULT_SIZE_MB
 
 from . import control, events, logs
 from . import secrets as secret_routes
+from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
 from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
@@ -176,6 +179,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                            secret_value=secret_store.value))
     router = Router(manager)
     keys = KeyCache(catalog)
+    template_builds = TemplateBuilds(manager, catalog, config.home)
 
     @web.middleware
     async def dispatch(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -188,7 +192,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                 return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
             return await router.handle(request, row.sandbox_id, AGENT_PORT)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
-        if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX):
+        # A build context's upload URL carries its own signature (template/uploads.py): the SDK sends no API key.
+        if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX) \
+                and not (request.method == "PUT" and request.path.startswith(UPLOAD_PREFIX)):
             try:
                 request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))
             except KeepStateError as exc:
@@ -204,9 +210,13 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
     app[SECRETS] = secret_store
+    app[build_routes.BUILDS] = template_builds
     app[DOMAIN] = config.domain or f"localhost:{config.port}"
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
+    # First: `DELETE /templates/{id}` deletes a built template, else hands over to control's snapshot delete, and
+    # `/templates/tags` is not a template's ID.
+    app.add_routes(build_routes.routes)
     app.add_routes(control.routes)
     app.add_routes(events.routes)
     app.add_routes(logs.routes)
@@ -231,6 +241,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 
     async def on_cleanup(app: web.Application) -> None:
         await poller.stop()  # first: its pulls go through the manager's AgentClient
+        await template_builds.stop()
         await manager.stop(reap=config.reap_on_exit)
         if config.reap_on_exit:  # its sandboxes are gone: leave no loop mount behind (the data stays)
             await asyncio.to_thread(volumes.unmount_all)

@@ -52,7 +52,10 @@ def _described(request: web.Request) -> list[dict[str, Any]]:
 
 @routes.get("/templates")
 async def list_templates(request: web.Request) -> web.Response:
-    return web.json_response(await asyncio.to_thread(_described, request))
+    from .template_builds import BUILDS, described
+
+    built = await asyncio.to_thread(described, request.app[BUILDS])
+    return web.json_response(await asyncio.to_thread(_described, request) + built)
 
 
 @routes.get("/templates/aliases/{alias}")
@@ -61,6 +64,12 @@ async def alias(request: web.Request) -> web.Response:
     m = manager(request)
     if name in await asyncio.to_thread(m.templates.names):
         return web.json_response({"templateID": name, "public": True})
+    from .template_builds import BUILDS
+    from .template_builds import alias as built_alias
+
+    found = await asyncio.to_thread(built_alias, request.app[BUILDS], name)
+    if found is not None:
+        return web.json_response(found)
     snap = await asyncio.to_thread(m.find_snapshot, name)
     if snap is not None:
         return web.json_response({"templateID": snap["snapshot_id"], "public": False})

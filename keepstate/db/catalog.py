@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS volumes (
 """
 
 # Version 1 (no `schema_version` in meta) had no api_keys.max_sandboxes; what turns it into version 2:
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _MIGRATE_1_TO_2 = ("ALTER TABLE api_keys ADD COLUMN max_sandboxes INTEGER",)
 # Version 3 adds the secrets (keepstate/secret/): a row per secret, a row per version holding only ciphertext
 # (AES-256-GCM, sealed by keepstate.secret.crypto; this module never sees a value). `seq` orders the list and is
@@ -91,6 +91,43 @@ _MIGRATE_2_TO_3 = (
         sealed BLOB NOT NULL,
         created_at REAL NOT NULL,
         PRIMARY KEY (secret_id, version)
+    )""",
+)
+
+
+# Version 4 adds built templates (docs/design/template-builds.md): templates, their builds, tags, and the step
+# cache's layers. A release reading version 3 refuses a version 4 catalog rather than ignore its templates.
+_MIGRATE_3_TO_4 = (
+    """CREATE TABLE IF NOT EXISTS templates (
+        template_id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        cpu INTEGER NOT NULL,
+        memory_mb INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS template_builds (
+        build_id TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL,
+        status TEXT NOT NULL,
+        checkpoint_id TEXT,
+        sandbox_id TEXT,
+        reason TEXT,
+        created_at REAL NOT NULL,
+        finished_at REAL
+    )""",
+    """CREATE TABLE IF NOT EXISTS template_tags (
+        template_id TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    )""",
+    """CREATE TABLE IF NOT EXISTS template_layers (
+        cache_key TEXT PRIMARY KEY,
+        checkpoint_id TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL
     )""",
 )
 
@@ -124,6 +161,32 @@ class SecretRow:
     created_at: float
     updated_at: float
     seq: int
+
+
+@dataclass
+class TemplateRecord:
+    """A built template (docs/design/template-builds.md): what a create names, by ID or name."""
+
+    template_id: str
+    name: str
+    cpu: int
+    memory_mb: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class BuildRecord:
+    """One build of a template; `checkpoint_id` is its snapshot once `ready`."""
+
+    build_id: str
+    template_id: str
+    status: str  # waiting | building | ready | error
+    created_at: float
+    checkpoint_id: str | None = None
+    sandbox_id: str | None = None
+    reason: dict[str, Any] | None = None
+    finished_at: float | None = None
 
 
 @dataclass
@@ -181,6 +244,9 @@ class Catalog:
                     self._db.execute(stmt)
             if version < 3:
                 for stmt in _MIGRATE_2_TO_3:
+                    self._db.execute(stmt)
+            if version < 4:
+                for stmt in _MIGRATE_3_TO_4:
                     self._db.execute(stmt)
             self._db.execute("INSERT INTO meta (k,v) VALUES ('schema_version',?) ON CONFLICT(k) DO UPDATE "
                              "SET v=excluded.v", (str(SCHEMA_VERSION),))
@@ -310,6 +376,123 @@ class Catalog:
     def _snapshot(r: sqlite3.Row) -> dict[str, Any]:
         return {"snapshot_id": r["snapshot_id"], "names": json.loads(r["names"]), "checkpoint_id": r["checkpoint_id"],
                 "sandbox_id": r["sandbox_id"], "template_id": r["template_id"], "created_at": r["created_at"]}
+
+    # -- built templates (docs/design/template-builds.md) ----------------------------------------------------------
+    def put_template(self, t: TemplateRecord) -> None:
+        """Record a new template; Conflict when its name is taken."""
+        try:
+            self._q("INSERT INTO templates (template_id,name,cpu,memory_mb,created_at,updated_at) VALUES (?,?,?,?,?,?)",
+                    (t.template_id, t.name, t.cpu, t.memory_mb, t.created_at, t.updated_at))
+        except sqlite3.IntegrityError:
+            raise Conflict(f"a template named '{t.name}' exists") from None
+
+    def update_template(self, template_id: str, cpu: int, memory_mb: int) -> None:
+        self._q("UPDATE templates SET cpu=?, memory_mb=?, updated_at=? WHERE template_id=?",
+                (cpu, memory_mb, time.time(), template_id))
+
+    def get_template(self, ref: str) -> TemplateRecord | None:
+        """By ID or by name."""
+        rows = self._q("SELECT * FROM templates WHERE template_id=? OR name=?", (ref, ref))
+        return self._template(rows[0]) if rows else None
+
+    def templates(self) -> list[TemplateRecord]:
+        return [self._template(r) for r in self._q("SELECT * FROM templates ORDER BY created_at, template_id")]
+
+    def delete_template(self, template_id: str) -> list[str]:
+        """Forget a template, its builds and tags in one transaction; the checkpoints its builds held."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                held = [r[0] for r in self._db.execute(
+                    "SELECT checkpoint_id FROM template_builds WHERE template_id=? AND checkpoint_id IS NOT NULL",
+                    (template_id,))]
+                for table in ("templates", "template_builds", "template_tags"):
+                    self._db.execute(f"DELETE FROM {table} WHERE template_id=?", (template_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return held
+
+    def put_build(self, b: BuildRecord) -> None:
+        self._q("INSERT INTO template_builds (build_id,template_id,status,checkpoint_id,sandbox_id,reason,created_at,"
+                "finished_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(build_id) DO UPDATE SET status=excluded.status, "
+                "checkpoint_id=excluded.checkpoint_id, sandbox_id=excluded.sandbox_id, reason=excluded.reason, "
+                "finished_at=excluded.finished_at",
+                (b.build_id, b.template_id, b.status, b.checkpoint_id, b.sandbox_id,
+                 json.dumps(b.reason) if b.reason is not None else None, b.created_at, b.finished_at))
+
+    def get_build(self, build_id: str) -> BuildRecord | None:
+        rows = self._q("SELECT * FROM template_builds WHERE build_id=?", (build_id,))
+        return self._build(rows[0]) if rows else None
+
+    def builds(self, template_id: str | None = None) -> list[BuildRecord]:
+        if template_id is None:
+            rows = self._q("SELECT * FROM template_builds ORDER BY created_at")
+        else:
+            rows = self._q("SELECT * FROM template_builds WHERE template_id=? ORDER BY created_at", (template_id,))
+        return [self._build(r) for r in rows]
+
+    def publish_build(self, b: BuildRecord, tags: list[str]) -> None:
+        """A build becomes `ready` and its tags point at it, in one transaction: a create sees all or nothing."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE template_builds SET status=?, checkpoint_id=?, sandbox_id=?, reason=NULL, "
+                                 "finished_at=? WHERE build_id=?",
+                                 (b.status, b.checkpoint_id, b.sandbox_id, b.finished_at, b.build_id))
+                for tag in tags:
+                    self._db.execute("INSERT INTO template_tags (template_id,tag,build_id,created_at) VALUES "
+                                     "(?,?,?,?) ON CONFLICT(template_id,tag) DO UPDATE SET build_id=excluded.build_id,"
+                                     " created_at=excluded.created_at", (b.template_id, tag, b.build_id, time.time()))
+                self._db.execute("UPDATE templates SET updated_at=? WHERE template_id=?", (time.time(), b.template_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def set_tag(self, template_id: str, tag: str, build_id: str) -> None:
+        self._q("INSERT INTO template_tags (template_id,tag,build_id,created_at) VALUES (?,?,?,?) "
+                "ON CONFLICT(template_id,tag) DO UPDATE SET build_id=excluded.build_id, created_at=excluded.created_at",
+                (template_id, tag, build_id, time.time()))
+
+    def delete_tag(self, template_id: str, tag: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM template_tags WHERE template_id=? AND tag=?",
+                                    (template_id, tag)).rowcount > 0
+
+    def tags(self, template_id: str) -> list[dict[str, Any]]:
+        return [{"tag": r["tag"], "build_id": r["build_id"], "created_at": r["created_at"]}
+                for r in self._q("SELECT * FROM template_tags WHERE template_id=? ORDER BY created_at, tag",
+                                 (template_id,))]
+
+    def tag_build(self, template_id: str, tag: str) -> str | None:
+        rows = self._q("SELECT build_id FROM template_tags WHERE template_id=? AND tag=?", (template_id, tag))
+        return str(rows[0][0]) if rows else None
+
+    def put_layer(self, cache_key: str, checkpoint_id: str, state: dict[str, Any]) -> None:
+        self._q("INSERT INTO template_layers (cache_key,checkpoint_id,state,created_at) VALUES (?,?,?,?) "
+                "ON CONFLICT(cache_key) DO UPDATE SET checkpoint_id=excluded.checkpoint_id, state=excluded.state, "
+                "created_at=excluded.created_at", (cache_key, checkpoint_id, json.dumps(state), time.time()))
+
+    def get_layer(self, cache_key: str) -> tuple[str, dict[str, Any]] | None:
+        rows = self._q("SELECT checkpoint_id, state FROM template_layers WHERE cache_key=?", (cache_key,))
+        return (str(rows[0][0]), json.loads(rows[0][1])) if rows else None
+
+    def delete_layer(self, cache_key: str) -> None:
+        self._q("DELETE FROM template_layers WHERE cache_key=?", (cache_key,))
+
+    @staticmethod
+    def _template(r: sqlite3.Row) -> TemplateRecord:
+        return TemplateRecord(template_id=r["template_id"], name=r["name"], cpu=r["cpu"], memory_mb=r["memory_mb"],
+                              created_at=r["created_at"], updated_at=r["updated_at"])
+
+    @staticmethod
+    def _build(r: sqlite3.Row) -> BuildRecord:
+        return BuildRecord(build_id=r["build_id"], template_id=r["template_id"], status=r["status"],
+                           checkpoint_id=r["checkpoint_id"], sandbox_id=r["sandbox_id"],
+                           reason=json.loads(r["reason"]) if r["reason"] else None, created_at=r["created_at"],
+                           finished_at=r["finished_at"])
 
     # -- volumes (docs/design/volumes.md) ----------------------------------------------------------------------
     def put_volume(self, v: VolumeRecord) -> None:

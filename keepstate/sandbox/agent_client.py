@@ -131,6 +131,11 @@ class AgentClient:
         """The sandbox is gone: drop what activity tracking held for it."""
         self._active.pop(sandbox_id, None)
 
+    def in_use(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
+        """Count a span of work as activity (a template build's steps, which talk to the agent directly): the
+        idle freezer leaves the sandbox alone throughout."""
+        return self._activity(sandbox_id)
+
     @contextlib.contextmanager
     def _activity(self, sandbox_id: str) -> Iterator[None]:
         self.wake(sandbox_id)

@@ -20,7 +20,7 @@ import secrets
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +139,8 @@ class SandboxManager:
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
+        # Built templates (template/build_service.py) resolve here like snapshots: ref -> a snapshot-shaped dict.
+        self.template_resolver: Callable[[str], dict[str, Any] | None] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -628,6 +630,26 @@ class SandboxManager:
             self._set(row, State.RUNNING)
         return manifest
 
+    async def checkpoint(self, sandbox_id: str) -> str:
+        """A snapshot's checkpoint with no snapshot record: a template build's layers and templates, which the
+        build service names itself (docs/design/template-builds.md)."""
+        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
+            manifest = await self._checkpoint_running(row, "snapshot")
+        return manifest.checkpoint_id
+
+    async def set_defaults(self, sandbox_id: str, user: str, workdir: str, env: dict[str, str],
+                           metadata: dict[str, str] | None = None) -> None:
+        """A running sandbox's default user, workdir and env, in its record (which its checkpoints carry to every
+        sandbox made from them) and in its agent: a template build's finish. `metadata` is added to its own (a
+        checkpoint's label carries it: what lets another server sharing the store find a template). Legal where a
+        snapshot is."""
+        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
+            row.settings.user, row.settings.workdir = user, workdir
+            row.settings.metadata.update(metadata or {})
+            row.settings.template_env = {**row.settings.template_env, **env}
+            self.catalog.put_sandbox(row)
+            await self.instances.init_agent(row, self.gateway.env(row), previous_token=row.access_token)
+
     def find_snapshot(self, ref: str) -> dict[str, Any] | None:
         snap = self.catalog.get_snapshot(ref)
         if snap is not None:
@@ -635,7 +657,7 @@ class SandboxManager:
         for s in self.catalog.snapshots():
             if ref in s["names"] or ref.split(":")[0] in s["names"]:
                 return s
-        return None
+        return self.template_resolver(ref) if self.template_resolver is not None else None
 
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:

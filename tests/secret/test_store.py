@@ -233,6 +233,6 @@ def test_a_version_2_catalog_gains_the_secrets_when_opened(tmp_path: Path) -> No
     old.commit()
     old.close()
     store = SecretStore.open(Catalog(path), tmp_path / "secrets.key")
-    assert store.catalog.get_meta("schema_version") == str(SCHEMA_VERSION) == "3"
+    assert store.catalog.get_meta("schema_version") == str(SCHEMA_VERSION) == "4"
     store.create("k", VALUE)
     assert store.value("k") == VALUE
