@@ -135,3 +135,24 @@ def busybox_image(dest: Path) -> Layout:
                Entry("tmp", "dir", mode=0o1777), Entry("root", "dir", mode=0o700),
                Entry("home/user", "dir", mode=0o755, uid=1000, gid=1000)]
     return write_layout(dest, [tar_layer(entries)], {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]})
+
+
+INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+def as_index(lay: Layout, platforms: list[str], tag: str = "latest") -> Layout:
+    """Turn a one-image layout into a multi-platform one: an image index whose entries (`os/arch`) all name the
+    same layers, each with a config of its own architecture. The layout's tag then names the index."""
+    base = json.loads(lay.blobs[lay.manifest_digest])
+    base_cfg = json.loads(lay.blobs[base["config"]["digest"]])
+    entries = []
+    for plat in platforms:
+        os_, arch = plat.split("/")
+        cdesc = {"mediaType": CONFIG, **lay.blob(json.dumps({**base_cfg, "os": os_, "architecture": arch}).encode())}
+        mdesc = lay.blob(json.dumps({**base, "config": cdesc}).encode())
+        entries.append({"mediaType": MANIFEST, **mdesc, "platform": {"os": os_, "architecture": arch}})
+    idesc = lay.blob(json.dumps({"schemaVersion": 2, "mediaType": INDEX, "manifests": entries}).encode())
+    lay.manifest_digest = str(idesc["digest"])
+    (lay.dir / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": INDEX, **idesc, "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
+    return lay

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from .registry_token import ISSUER, SERVICE, TokenServer
+
 READY_SECONDS = 30.0
 
 
@@ -30,7 +32,9 @@ def _free_port() -> int:
 class Registry:
     """`with Registry(auth=("user", "pw")) as reg: reg.push_layout(dir, "repo:tag")`."""
 
-    def __init__(self, auth: tuple[str, str] | None = None, workdir: Path | None = None) -> None:
+    def __init__(self, auth: tuple[str, str] | None = None, workdir: Path | None = None,
+                 token: bool = False) -> None:
+        """`auth`: one login; htpasswd (Basic) unless `token`, which puts a Bearer token service in front."""
         if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
             raise RuntimeError("the test registry needs Debian's docker-registry and skopeo (scripts/setup-host.sh)")
         self.auth = auth
@@ -40,6 +44,11 @@ class Registry:
         self.log_path = self.dir / "registry.log"
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tokens: TokenServer | None = None
+        if token:
+            if auth is None:
+                raise ValueError("a token service needs a login (auth)")
+            self.tokens = TokenServer({auth[0]: auth[1]})
 
     @property
     def host(self) -> str:
@@ -47,7 +56,11 @@ class Registry:
 
     def _config(self) -> Path:
         auth = ""
-        if self.auth:
+        if self.tokens is not None:
+            cert = self.tokens.write_cert(self.dir / "token-cert.pem")
+            auth = (f"auth:\n  token:\n    realm: {self.tokens.realm}\n    service: {SERVICE}\n"
+                    f"    issuer: {ISSUER}\n    rootcertbundle: {cert}\n")
+        elif self.auth:
             line = subprocess.run(["htpasswd", "-Bbn", *self.auth], check=True, capture_output=True,
                                   text=True).stdout.strip()
             (self.dir / "htpasswd").write_text(line + "\n")
@@ -61,6 +74,8 @@ class Registry:
 
     def start(self) -> Registry:
         self.storage.mkdir(parents=True, exist_ok=True)
+        if self.tokens is not None:
+            self.tokens.start()
         for _ in range(5):  # another process may take the free port between our probe and the registry's bind
             self.port = _free_port()
             log = open(self.log_path, "ab")
@@ -101,6 +116,8 @@ class Registry:
 
     def close(self) -> None:
         self.stop()
+        if self.tokens is not None:
+            self.tokens.stop()
         if self._own:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -120,7 +137,7 @@ class Registry:
         policy.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
         digest_file = self.dir / "pushed.digest"
         cmd = ["skopeo", "--policy", str(policy), "copy", "--quiet", "--dest-tls-verify=false", "--format", fmt,
-               "--digestfile", str(digest_file)]
+               "--digestfile", str(digest_file), "--all"]  # an index is pushed whole, every platform
         if self.auth:
             cmd += ["--dest-creds", f"{self.auth[0]}:{self.auth[1]}"]
         cmd += [f"oci:{layout}:{tag}", f"docker://{self.host}/{name}"]

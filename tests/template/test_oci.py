@@ -288,3 +288,35 @@ def test_unsupported_media_type(tmp_path: Path) -> None:
     assert e.value.status == 501
 
 
+
+
+def test_bearer_token_auth(layouts: dict[str, oci_layout.Layout], tmp_path: Path) -> None:
+    """The registry sends clients to a token service (WWW-Authenticate: Bearer realm=...,service=...)."""
+    with Registry(auth=ALICE, token=True) as reg:
+        assert reg.tokens is not None
+        reg.push_layout(layouts["busybox"].dir, "private/busybox:1")
+        ref = f"{reg.host}/private/busybox:1"
+        with pytest.raises(RegistryAuthFailed) as e:
+            oci.pull(ref, dest=tmp_path / "anon")  # an anonymous token grants nothing
+        assert "needs credentials" in e.value.message
+        with pytest.raises(RegistryAuthFailed) as e:
+            oci.pull(ref, Credentials("alice", "wrong"), dest=tmp_path / "wrong")
+        assert "token service refused the credentials of user `alice`" in e.value.message
+        img = oci.pull(ref, Credentials(*ALICE), dest=tmp_path / "right")
+        assert os.readlink(img.rootfs / "bin/sh") == "busybox"
+        assert ("alice", "repository:private/busybox:pull") in reg.tokens.issued
+
+
+def test_image_index_picks_this_platform(tmp_path: Path) -> None:
+    with Registry() as reg:
+        multi = oci_layout.as_index(oci_layout.two_layer_image(tmp_path / "multi"), ["linux/arm64", "linux/amd64"])
+        other = oci_layout.as_index(oci_layout.two_layer_image(tmp_path / "other"), ["linux/arm64", "linux/s390x"])
+        index = reg.push_layout(multi.dir, "test/multi:v1")
+        reg.push_layout(other.dir, "test/other:v1")
+        img = oci.pull(f"{reg.host}/test/multi:v1", dest=tmp_path / "root")
+        with pytest.raises(UnsupportedImage) as e:
+            oci.pull(f"{reg.host}/test/other:v1", dest=tmp_path / "none")
+    amd64 = json.loads(multi.blobs[index])["manifests"][1]["digest"]
+    assert img.manifest_digest == amd64 and img.platform == "linux/amd64"
+    check_two_layer_tree(img.rootfs)
+    assert "has no linux/amd64 manifest (it has: linux/arm64, linux/s390x)" in e.value.message
