@@ -52,6 +52,11 @@ class Reference:
         return f"{self.scheme}://{self.host}"
 
 
+def valid_host(host: str) -> bool:
+    """`HOST[:PORT]` as a reference may name it (an operator option is checked with the same rule)."""
+    return bool(_HOST.fullmatch(host))
+
+
 def _hostname(host: str) -> str:
     if host.startswith("["):
         return host[1:host.index("]")]
