@@ -15,6 +15,7 @@ import json
 import os
 import platform as _platform
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class _Puller:
         m = self._reg().manifest(ref)
         path = _blob_path(m.digest)
         if not path.exists():
-            tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+            tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(6)}")
             tmp.write_bytes(m.body)
             os.replace(tmp, path)
         return m
@@ -182,7 +183,11 @@ def _descriptors(r: Resolved) -> tuple[dict[str, object], list[dict[str, object]
     return config, layers
 
 
-def _pull_resolved(p: _Puller, r: Resolved, dest: Path) -> ImageRoot:
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _pull_resolved(p: _Puller, r: Resolved, dest: Path, progress: Progress = _quiet) -> ImageRoot:
     config_desc, layers = _descriptors(r)
     config_path = p.blob(config_desc)
     try:
@@ -192,21 +197,31 @@ def _pull_resolved(p: _Puller, r: Resolved, dest: Path) -> ImageRoot:
     diff_ids = (config_doc.get("rootfs") or {}).get("diff_ids") or []
     if diff_ids and len(diff_ids) != len(layers):
         raise DigestMismatch(f"image {r.ref}: {len(layers)} layers but the config lists {len(diff_ids)} diff IDs")
-    blobs = [p.blob(desc) for desc in layers]  # all fetched and verified before the root is touched
+    total = sum(int(str(d.get("size", 0))) for d in layers)
+    progress(f"{r.ref}: {len(layers)} layers, {total / (1 << 20):.1f} MiB")
+    blobs = []
+    for i, desc in enumerate(layers):  # all fetched and verified before the root is touched
+        before = len(p.downloaded)
+        blobs.append(p.blob(desc))
+        how = "downloaded" if len(p.downloaded) > before else "cached"
+        progress(f"{r.ref}: layer {i + 1}/{len(layers)} {str(desc['digest'])[:19]} {how}")
     dest.mkdir(parents=True, exist_ok=True)
     os.chmod(dest, 0o755)
     for i, (desc, blob) in enumerate(zip(layers, blobs, strict=True)):
+        progress(f"{r.ref}: unpack layer {i + 1}/{len(layers)}")
         apply_layer(dest, blob, f"{i + 1}/{len(layers)} {desc['digest']}", diff_ids[i] if diff_ids else None)
     return ImageRoot(rootfs=dest, config=ImageConfig.from_json(config_doc), reference=str(r.ref),
                      manifest_digest=r.manifest.digest, config_digest=str(config_desc["digest"]),
                      platform=r.platform, downloaded=list(p.downloaded))
 
 
-def pull(ref: str | Reference, credentials: Credentials | None = None, *, dest: Path) -> ImageRoot:
-    """Pull an image into `dest` (made if missing): layers applied in order, every digest verified."""
+def pull(ref: str | Reference, credentials: Credentials | None = None, *, dest: Path,
+         progress: Progress = _quiet) -> ImageRoot:
+    """Pull an image into `dest` (made if missing; meant to be empty): layers applied in order, every digest
+    verified. Nothing is written to `dest` before every blob is in the cache and verified."""
     reference = parse(ref) if isinstance(ref, str) else ref
     p = _Puller(reference, credentials)
-    return _pull_resolved(p, p.resolve(), dest)
+    return _pull_resolved(p, p.resolve(), dest, progress)
 
 
 # -- the image as a template build -------------------------------------------------------------------------
@@ -284,7 +299,7 @@ def _build(p: _Puller, r: Resolved, name: str, tdir: Path, progress: Progress) -
     shutil.rmtree(work, ignore_errors=True)
     try:
         progress(f"template {name}: pull {r.ref} ({r.manifest.digest[:19]})")
-        image = _pull_resolved(p, r, work / "rootfs")
+        image = _pull_resolved(p, r, work / "rootfs", lambda m: progress(f"template {name}: {m}"))
         defaults = finish_image_root(image.rootfs, name, image.config)
         progress(f"template {name}: digest of the root filesystem")
         digest = builder.rootfs_digest(image.rootfs)

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import re
+import secrets
 import ssl
 import urllib.parse
 from collections.abc import Iterator
@@ -220,7 +221,7 @@ class Registry:
     def blob_to(self, digest: str, size: int | None, dest: Path) -> None:
         """Stream a blob into `dest`, verifying its sha256 and size; nothing is left at `dest` if it fails."""
         path = f"/v2/{self.ref.repository}/blobs/{digest}"
-        tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
+        tmp = dest.with_name(f".tmp-{dest.name}-{secrets.token_hex(6)}")  # pulls in parallel threads each own one
         h = hashlib.sha256()
         n = 0
         for attempt in (0, 1):

@@ -163,7 +163,9 @@ class _Layer:
                 os.mkdir(dest, 0o700)
             self.dir_times.append((dest, m.mtime))
         elif m.islnk():
-            target = secure_join(self.root, clean_name(m.linkname, self.name))
+            # The link's own last component is not followed: a hardlink to a symlink links the symlink.
+            tdir, tbase = posixpath.split(clean_name(m.linkname, self.name))
+            target = secure_join(self.root, tdir) / tbase
             try:
                 st = os.lstat(target)
             except FileNotFoundError as e:

@@ -11,10 +11,12 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import subprocess
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 import zstandard
 
@@ -155,4 +157,54 @@ def as_index(lay: Layout, platforms: list[str], tag: str = "latest") -> Layout:
     lay.manifest_digest = str(idesc["digest"])
     (lay.dir / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
         {"mediaType": INDEX, **idesc, "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
+    return lay
+
+
+class _HashingWriter(io.RawIOBase):
+    def __init__(self, inner: IO[bytes]) -> None:
+        self.inner = inner
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        self.h.update(b)
+        self.n += len(b)
+        self.inner.write(b)
+        return len(b)
+
+
+def rootfs_image(src: Path, dest: Path, config: dict[str, object], tag: str = "latest") -> Layout:
+    """A one-layer (zstd) image of a directory tree, streamed to disk: how a test turns a built template's root
+    (the base rootfs, hundreds of MiB) into an image to push. Owners are kept as numbers, hardlinks as links."""
+    lay = Layout(dest)
+    blobs = dest / "blobs/sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    (dest / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    tmp = blobs / ".layer"
+
+    def numeric(ti: tarfile.TarInfo) -> tarfile.TarInfo:
+        ti.uname = ti.gname = ""
+        return ti
+
+    with open(tmp, "wb") as out:
+        compressed = _HashingWriter(out)
+        with zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], compressed), closefd=False) as z:
+            plain = _HashingWriter(z)
+            with tarfile.open(fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+                for name in sorted(os.listdir(src)):
+                    tf.add(src / name, arcname=name, recursive=True, filter=numeric)
+    digest = "sha256:" + compressed.h.hexdigest()
+    os.replace(tmp, blobs / digest[7:])
+    ldesc = {"mediaType": LAYER["zstd"], "digest": digest, "size": compressed.n}
+    cfg = {"architecture": "amd64", "os": "linux", "config": config,
+           "rootfs": {"type": "layers", "diff_ids": ["sha256:" + plain.h.hexdigest()]}}
+    cdesc = {"mediaType": CONFIG, **lay.blob(json.dumps(cfg).encode())}
+    mdesc = lay.blob(json.dumps({"schemaVersion": 2, "mediaType": MANIFEST, "config": cdesc,
+                                 "layers": [ldesc]}).encode())
+    lay.manifest_digest = str(mdesc["digest"])
+    (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": MANIFEST, **mdesc, "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
     return lay

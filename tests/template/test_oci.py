@@ -320,3 +320,14 @@ def test_image_index_picks_this_platform(tmp_path: Path) -> None:
     assert img.manifest_digest == amd64 and img.platform == "linux/amd64"
     check_two_layer_tree(img.rootfs)
     assert "has no linux/amd64 manifest (it has: linux/arm64, linux/s390x)" in e.value.message
+
+
+def test_rootfs_round_trip(registry: Registry, tmp_path: Path) -> None:
+    """A directory tree pushed as an image comes back identical: contents, modes, owners, links, hardlinks."""
+    src = tmp_path / "src"
+    oci.pull(f"{registry.host}/test/two:v1", dest=src)
+    lay = oci_layout.rootfs_image(src, tmp_path / "lay", {"Env": ["A=1"]})
+    registry.push_layout(lay.dir, "test/tree:v1")
+    img = oci.pull(f"{registry.host}/test/tree:v1", dest=tmp_path / "back")
+    assert builder.rootfs_digest(img.rootfs) == builder.rootfs_digest(src)
+    assert os.stat(img.rootfs / "etc/hard").st_ino == os.stat(img.rootfs / "etc/a").st_ino
