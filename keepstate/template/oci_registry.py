@@ -116,7 +116,8 @@ class Registry:
                 continue
             try:
                 yield resp
-            except OSError as e:
+            except (ConnectionError, TimeoutError, http.client.HTTPException, ssl.SSLError) as e:
+                # A local disk error is not the registry's: only the connection's failures are named so.
                 raise RegistryUnavailable(f"registry {self.ref.host}: transfer failed: {e}") from e
             finally:
                 conn.close()
