@@ -71,16 +71,17 @@ def secure_join(root: Path, rel: str) -> Path:
     return Path(root, *done)
 
 
-def remove(path: Path) -> None:
-    """Whatever is at `path` (never following a symlink), if anything."""
+def remove(path: Path) -> bool:
+    """Whatever is at `path` (never following a symlink), if anything; True when that was a directory."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return False
     if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        return True
+    os.unlink(path)
+    return False
 
 
 class _Hashing(io.RawIOBase):
@@ -121,16 +122,28 @@ class _Layer:
         self.opaque: list[str] = []
         self.dir_times: list[tuple[Path, float]] = []
         self.as_root = os.geteuid() == 0
+        self.prefix = len(str(root)) + 1
+        # Parents already resolved and made in this layer: a layer names the same few thousand directories
+        # tens of thousands of times. Only removing a directory (a file or a whiteout over it) can make an
+        # entry stale, so that clears the whole map.
+        self.parents: dict[str, Path] = {}
 
     def rel(self, p: Path) -> str:
-        return os.path.relpath(p, self.root)
+        return str(p)[self.prefix:]  # secure_join builds every path as root/...
+
+    def remove(self, p: Path) -> None:
+        if remove(p):
+            self.parents.clear()
 
     def parent(self, dname: str) -> Path:
+        if (cached := self.parents.get(dname)) is not None:
+            return cached
         parent = secure_join(self.root, dname)
         try:
             os.makedirs(parent, mode=0o755, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as e:
             raise UnsafeLayer(f"layer {self.name}: `{dname}` is not a directory in the image") from e
+        self.parents[dname] = parent
         return parent
 
     def apply(self, tf: tarfile.TarFile) -> None:
@@ -143,7 +156,7 @@ class _Layer:
                 self.opaque.append(dname)
                 continue
             if base.startswith(WHITEOUT):
-                remove(secure_join(self.root, dname) / base[len(WHITEOUT):])
+                self.remove(secure_join(self.root, dname) / base[len(WHITEOUT):])
                 continue
             dest = self.parent(dname) / base
             self.created.add(self.rel(dest))
@@ -157,7 +170,7 @@ class _Layer:
         if m.isdir():
             try:
                 if not stat.S_ISDIR(os.lstat(dest).st_mode):
-                    remove(dest)
+                    self.remove(dest)
                     os.mkdir(dest, 0o700)
             except FileNotFoundError:
                 os.mkdir(dest, 0o700)
@@ -174,11 +187,11 @@ class _Layer:
                 raise UnsafeLayer(f"layer {self.name}: hardlink `{m.name}` to a directory `{m.linkname}`")
             if target == dest:
                 return
-            remove(dest)
+            self.remove(dest)
             os.link(target, dest, follow_symlinks=False)
             return  # a hardlink shares its target's owner, mode and times
         else:
-            remove(dest)
+            self.remove(dest)
             if m.isreg():
                 src = tf.extractfile(m)
                 fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
