@@ -13,7 +13,9 @@ fi
 
 stamp=/var/lib/keepstate/.host-setup-v5
 if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
-    && command -v conntrack >/dev/null && command -v nft >/dev/null && command -v node >/dev/null && command -v npm >/dev/null; then
+    && command -v conntrack >/dev/null && command -v nft >/dev/null && command -v node >/dev/null && command -v npm >/dev/null \
+    && command -v docker-registry >/dev/null && command -v skopeo >/dev/null && command -v htpasswd >/dev/null \
+    && [ -x /bin/busybox ]; then
   exit 0
 fi
 
@@ -60,6 +62,13 @@ apt-get install -y -qq --no-install-recommends \
 # The agent runtime (docs/design/agent-runtime.md) is made of this host's python3.11, tini-static and setpriv;
 # busybox-static is the root of the tests' image with no Python and no glibc.
 apt-get install -y -qq --no-install-recommends python3.11 tini util-linux busybox-static >/dev/null
+# The OCI image tests (tests/template/test_oci.py): a real registry on loopback, a real client pushing to it,
+# htpasswd for its logins, and a static busybox for an image with no Python and no glibc. Debian's
+# docker-registry package enables a service on :5000 where systemd runs: tests start their own, so stop it.
+apt-get install -y -qq --no-install-recommends docker-registry skopeo apache2-utils busybox-static >/dev/null
+if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+  systemctl disable --now docker-registry >/dev/null 2>&1 || true
+fi
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 
 # Debian prints "runsc version 0.0~20240729.0", upstream "release-20240729.0".

@@ -14,6 +14,7 @@ from keepstate.ports import API_PORT, GATEWAY_PORT
 
 from .common import Command, home_option
 from .egress_options import egress_options
+from .registry_options import registry_options
 
 if TYPE_CHECKING:
     from keepstate.egress.service import EgressConfig
@@ -98,6 +99,7 @@ if TYPE_CHECKING:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @egress_options
+@registry_options
 @home_option
 def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
