@@ -15,7 +15,7 @@ stamp=/var/lib/keepstate/.host-setup-v5
 if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
     && command -v conntrack >/dev/null && command -v nft >/dev/null && command -v node >/dev/null && command -v npm >/dev/null \
     && command -v docker-registry >/dev/null && command -v skopeo >/dev/null && command -v htpasswd >/dev/null \
-    && command -v tini-static >/dev/null && command -v python3.11 >/dev/null && [ -x /bin/busybox ]; then
+    && command -v tini-static >/dev/null && [ -x /usr/bin/python3.11 ] && [ -x /bin/busybox ]; then
   exit 0
 fi
 
