@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from keepstate.errors import KeepStateError
-from keepstate.template import builder
+from keepstate.errors import KeepStateError, NotFound
+from keepstate.template import builder, oci
 from keepstate.template.builder import Built
 from keepstate.template.definition import load as load_definition
 from keepstate.template.definition import load_all
@@ -32,19 +32,33 @@ class Templates(Protocol):
 
 
 class BuiltTemplates:
+    """TOML templates (keepstate/template/builder.py) and root filesystems pulled from OCI images for template
+    builds (keepstate/template/oci.py, names `image-...`), in the same cache layout."""
+
     def names(self) -> list[str]:
         return sorted(load_all())
 
     def latest(self, name: str) -> Built | None:
+        if oci.is_image_template(name):
+            return oci.latest(name)
         return builder.latest(name)
 
     def find_by_digest(self, name: str, digest: str) -> Built | None:
+        if oci.is_image_template(name):
+            return oci.find_by_digest(name, digest)
         return builder.find_by_digest(name, digest)
 
     def ensure_built(self, name: str) -> Built:
+        if oci.is_image_template(name):
+            built = oci.latest(name)
+            if built is None:
+                raise NotFound(f"template '{name}' (an image's root filesystem) was never pulled on this host")
+            return built
         return builder.ensure_built(name)
 
     def service_ports(self, name: str) -> list[int]:
+        if oci.is_image_template(name):
+            return []
         try:
             return [s.port for s in load_definition(name).services if s.port]
         except KeepStateError:

@@ -302,7 +302,7 @@ class TemplateBuilds:
     @staticmethod
     def _oci() -> Any:
         try:
-            from keepstate.template import oci  # type: ignore[attr-defined]
+            from keepstate.template import oci
         except ImportError:
             raise Unsupported("building from an OCI image other than e2bdev/base needs keepstate.template.oci, "
                               "which this server does not have; use fromTemplate or from_base_image()") from None
@@ -312,17 +312,15 @@ class TemplateBuilds:
         """(templateID to create the build sandbox from, its cache identity, the state it starts with)."""
         if spec.from_image not in (None, BASE_IMAGE):
             oci = self._oci()
-            logs.add(f"pulling image {spec.from_image}", step="base")
-            root = await asyncio.to_thread(oci.pull, spec.from_image, spec.registry)
-            as_template = getattr(oci, "template_for", None)
-            if as_template is None:
-                raise StepFailed("base", f"image {spec.from_image} was pulled, but this server cannot boot a sandbox "
-                                         "from an image root yet (keepstate.template.oci has no template_for)")
-            name, identity = await asyncio.to_thread(as_template, root)
-            cfg = getattr(root, "config", {}) or {}
-            state = State(env=dict(cfg.get("env") or {}), user=str(cfg.get("user") or "root"),
-                          workdir=str(cfg.get("workdir") or "/"))
-            return str(name), f"image:{identity}", state
+            from keepstate.template.oci_credentials import from_wire
+
+            ref = spec.from_image
+            logs.add(f"pulling image {ref}", step="base")
+            built = await asyncio.to_thread(oci.pull_template, oci.image_template_name(ref), ref,
+                                            from_wire(spec.registry), lambda m: logs.add(m, step="base"))
+            d = built.defaults
+            state = State(env=dict(d.env), user=d.user or "root", workdir=d.workdir or "/")
+            return built.name, f"image:{built.definition_digest}", state
         parent = spec.parent
         if parent in self.m.templates.names():
             from keepstate.sandbox.templates import latest_digest

@@ -275,6 +275,43 @@ def _read(name: str, build_id: str) -> Built | None:
                                    env=t.get("env", {})), built_at=info["built_at"])
 
 
+IMAGE_PREFIX = "image-"
+
+
+def image_template_name(ref: str) -> str:
+    """The template name an image reference is published under for builds (`fromImage`): one per reference, so
+    pulling it again reuses (or, when the tag moved, replaces) the same template's build."""
+    import hashlib
+
+    return IMAGE_PREFIX + hashlib.sha256(ref.strip().encode()).hexdigest()[:20]
+
+
+def is_image_template(name: str) -> bool:
+    return name.startswith(IMAGE_PREFIX)
+
+
+def latest(name: str) -> Built | None:
+    """The current build of an image template, or None (never pulled here)."""
+    link = templates_dir() / name / "current"
+    if not link.is_symlink():
+        return None
+    return _read(name, os.readlink(link))
+
+
+def find_by_digest(name: str, digest: str) -> Built | None:
+    """A build of image template `name` whose root filesystem has this digest (a checkpoint's), if any."""
+    tdir = templates_dir() / name
+    if not tdir.is_dir():
+        return None
+    for d in sorted(tdir.iterdir()):
+        if d.name.startswith(".") or d.name == "current":
+            continue
+        b = _read(name, d.name)
+        if b is not None and b.digest == digest:
+            return b
+    return None
+
+
 def pull_template(name: str, ref: str | Reference, credentials: Credentials | None = None,
                   progress: Progress = stderr_progress, force: bool = False) -> Built:
     """Pull `ref` and publish it as a build of template `name`; the same image again reuses the build."""
@@ -336,5 +373,6 @@ def _point_current(tdir: Path, build_id: str) -> None:
     os.replace(tmp, link)
 
 
-__all__ = ["AGENT_RUNTIME", "Credentials", "ImageConfig", "ImageNotFound", "ImageRoot", "finish_image_root",
-           "pull", "pull_template"]
+__all__ = ["AGENT_RUNTIME", "IMAGE_PREFIX", "Credentials", "ImageConfig", "ImageNotFound", "ImageRoot",
+           "find_by_digest", "finish_image_root", "image_template_name", "is_image_template", "latest", "pull",
+           "pull_template"]
