@@ -105,6 +105,17 @@ class SessionRecorder:
                token: str | None = None) -> Event:
         """A new session restored from the parent's checkpoint; returns the child's `session.fork` event."""
         row = self.lineage.checkpoint(checkpoint_id)
+        if row is None and self.lineage.session(parent_session) is None:
+            # A checkpoint from the shared store whose session this server never ran (a template built, or a
+            # snapshot taken, on another server): its history is in that server's session DB, so the child's
+            # begins here with a link by ID, not by event hash.
+            self.lineage.record_session(child_session, None, parent_session=parent_session,
+                                        parent_checkpoint_id=checkpoint_id)
+            first = self.events.append(child_session, "session.fork.remote", {
+                "parent_session": parent_session, "checkpoint_id": checkpoint_id,
+                "note": "the parent's history is on the server that made the checkpoint"})
+            self._track(child_session, agent_url, token, None)
+            return first
         if row is None or row.event_seq is None or row.event_hash is None:
             raise NotFound(f"checkpoint {checkpoint_id} is not in the lineage (or has no event); record it first")
         parent = self.lineage.session(parent_session)
