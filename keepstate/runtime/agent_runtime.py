@@ -92,17 +92,21 @@ def agent_argv(root: str = AGENT_RUNTIME, lib: str = AGENT_PACKAGE) -> list[str]
 
 
 # -- where ----------------------------------------------------------------------------------------------------
+DEFAULT_CACHE = Path("/var/lib/keepstate/agent-runtime")
+
+
 def cache_dir() -> Path:
-    """$KEEPSTATE_AGENT_RUNTIME_CACHE, else `agent-runtime` beside the templates cache."""
+    """$KEEPSTATE_AGENT_RUNTIME_CACHE, else /var/lib/keepstate/agent-runtime: one per host, whatever a server's data
+    directory or templates cache (a server on a cache of its own would otherwise build its own runtime, and its
+    wheels would have to come from PyPI again)."""
     if env := os.environ.get("KEEPSTATE_AGENT_RUNTIME_CACHE"):
         return Path(env)
-    from keepstate.template.builder import templates_dir
-
-    return templates_dir().parent / "agent-runtime"
+    return DEFAULT_CACHE
 
 
 def input_key(sources: Sources) -> str:
     h = hashlib.sha256(f"agent-runtime {RUNTIME_VERSION}\n".encode())
+    h.update(Path(__file__).read_bytes())  # how it is built: a changed builder makes another runtime
     for line in sources.requirements:
         h.update(f"pin {line}\n".encode())
     for p in sources.key_files():
