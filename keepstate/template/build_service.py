@@ -487,6 +487,7 @@ class TemplateBuilds:
         except Exception as exc:
             raise StepFailed(where, f"the upload of step {i} is not a readable tar archive: {exc}") from None
         if got != s.files_hash and not unverifiable:
+            upload.unlink(missing_ok=True)  # not what that hash names: no later files check may call it present
             raise StepFailed(where, f"the upload of step {i} does not match its filesHash: expected "
                                     f"{s.files_hash}, the archive hashes to {got}")
         if unverifiable:
