@@ -86,19 +86,30 @@ def curl_download(netns: str, url: str) -> float:
     return int(size) * 8 / float(seconds) / 1e9
 
 
+def _client_namespace(tag: str, ns_ip: str, gateway_ip: str) -> tuple[str, str]:
+    """A namespace `ks<tag>-<pid>` whose eth0 (ns_ip/30, default route via gateway_ip) is one end of a veth; the
+    other end, `ks<tag>1`, is left in this namespace for the caller to place. (namespace, that end's name)."""
+    ns = f"ks{tag}-{os.getpid()}"
+    run("ip", "netns", "add", ns)
+    try:
+        run("ip", "link", "add", f"ks{tag}0", "type", "veth", "peer", "name", f"ks{tag}1")
+        run("ip", "link", "set", f"ks{tag}0", "netns", ns)
+        run("nsenter", f"--net=/run/netns/{ns}", "ip", "-batch", "-",
+            stdin=f"link set lo up\nlink set ks{tag}0 name eth0\naddr add {ns_ip}/30 dev eth0\n"
+                  f"link set eth0 up\nroute add default via {gateway_ip}\n")
+    except BaseException:
+        run("ip", "netns", "del", ns, check=False)
+        raise
+    return ns, f"ks{tag}1"
+
+
 @contextmanager
 def direct_namespace(fi: Any) -> Iterator[str]:
     """A namespace on a veth straight into the fake internet: the same download with no NAT and no filter."""
-    ns = f"ksbd-{os.getpid()}"
-    run("ip", "netns", "add", ns)
+    ns, end = _client_namespace("bd", DIRECT_NS_IP, DIRECT_PEER_IP)
     try:
-        run("ip", "link", "add", "ksbd0", "type", "veth", "peer", "name", "ksbd1")
-        run("ip", "link", "set", "ksbd0", "netns", ns)
-        run("ip", "link", "set", "ksbd1", "netns", fi.netns)
-        run("nsenter", f"--net=/run/netns/{ns}", "ip", "-batch", "-",
-            stdin=f"link set lo up\nlink set ksbd0 name eth0\naddr add {DIRECT_NS_IP}/30 dev eth0\n"
-                  f"link set eth0 up\nroute add default via {DIRECT_PEER_IP}\n")
-        run(*fi.nsenter("ip", "-batch", "-"), stdin=f"addr add {DIRECT_PEER_IP}/30 dev ksbd1\nlink set ksbd1 up\n")
+        run("ip", "link", "set", end, "netns", fi.netns)
+        run(*fi.nsenter("ip", "-batch", "-"), stdin=f"addr add {DIRECT_PEER_IP}/30 dev {end}\nlink set {end} up\n")
         yield ns
     finally:
         run("ip", "netns", "del", ns, check=False)  # the veth pair goes with it
@@ -112,15 +123,9 @@ ROUTED_NET = "203.0.113.8/30"
 def routed_namespace(fi: Any) -> Iterator[str]:
     """A namespace on a veth into THIS namespace, which routes it on into the fake internet: the NAT slot's path
     hop for hop (two veths, forwarding here), without NAT and without a slot's policy chains."""
-    ns = f"ksbr-{os.getpid()}"
-    run("ip", "netns", "add", ns)
+    ns, end = _client_namespace("br", ROUTED_NS_IP, ROUTED_HOST_IP)
     try:
-        run("ip", "link", "add", "ksbr0", "type", "veth", "peer", "name", "ksbr1")
-        run("ip", "link", "set", "ksbr0", "netns", ns)
-        run("nsenter", f"--net=/run/netns/{ns}", "ip", "-batch", "-",
-            stdin=f"link set lo up\nlink set ksbr0 name eth0\naddr add {ROUTED_NS_IP}/30 dev eth0\n"
-                  f"link set eth0 up\nroute add default via {ROUTED_HOST_IP}\n")
-        run("ip", "-batch", "-", stdin=f"addr add {ROUTED_HOST_IP}/30 dev ksbr1\nlink set ksbr1 up\n")
+        run("ip", "-batch", "-", stdin=f"addr add {ROUTED_HOST_IP}/30 dev {end}\nlink set {end} up\n")
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
         run(*fi.nsenter("ip", "route", "replace", ROUTED_NET, "via", "203.0.113.1"))
         yield ns

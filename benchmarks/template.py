@@ -112,17 +112,25 @@ def peer_cold(base_rootfs: Path, ctx: Path, work: Path) -> tuple[float, float, P
     return (unpacked - t) * 1000, (done - unpacked) * 1000, rootfs
 
 
-def peer_cached(ctx: Path, layers: Path) -> float:
-    """Docker's cache check for the same 4 steps: a key chain over the context's bytes and the steps' text."""
-    t = time.perf_counter()
+def peer_keys(ctx: Path) -> list[str]:
+    """Docker's cache keys for the same 4 steps: a chain over the context's bytes and the steps' text."""
     key = hashlib.sha256(b"base").hexdigest()
     h = hashlib.sha256()
     for p in sorted((ctx / "bench").rglob("*")):
         h.update(str(p.relative_to(ctx)).encode())
         if p.is_file():
             h.update(p.read_bytes())
+    keys = []
     for step in (f"COPY {h.hexdigest()}", f"RUN {RUN_STEP}", f"ENV {ENVS}", f"WORKDIR {WORKDIR}", f"CMD {START}"):
         key = hashlib.sha256((key + step).encode()).hexdigest()
+        keys.append(key)
+    return keys
+
+
+def peer_cached(ctx: Path, layers: Path) -> float:
+    """Docker's cache check for the same 4 steps: the key chain, and a stored layer for each key."""
+    t = time.perf_counter()
+    for key in peer_keys(ctx):
         if not (layers / key).exists():
             raise RuntimeError("the peer's cache has no layer for a step")
     return (time.perf_counter() - t) * 1000
@@ -130,14 +138,7 @@ def peer_cached(ctx: Path, layers: Path) -> float:
 
 def peer_layers(ctx: Path, layers: Path) -> None:
     """Record the peer's layers (empty marker directories: the cold build's rootfs stands for all of them)."""
-    key = hashlib.sha256(b"base").hexdigest()
-    h = hashlib.sha256()
-    for p in sorted((ctx / "bench").rglob("*")):
-        h.update(str(p.relative_to(ctx)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    for step in (f"COPY {h.hexdigest()}", f"RUN {RUN_STEP}", f"ENV {ENVS}", f"WORKDIR {WORKDIR}", f"CMD {START}"):
-        key = hashlib.sha256((key + step).encode()).hexdigest()
+    for key in peer_keys(ctx):
         (layers / key).mkdir(parents=True)
 
 

@@ -101,18 +101,12 @@ class Policy:
 
     def domain_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
-        for d in self.allow_domains:
-            if d.startswith("*."):
-                if host.endswith(d[1:]) and host != d[2:]:
-                    return True
-            elif host == d:
-                return True
-        return False
+        return any(_matches(d, host) for d in self.allow_domains)
 
     def rules_for(self, host: str) -> tuple[HeaderRule, ...]:
         host = host.lower().rstrip(".")
         for h, rs in self.rules:
-            if h == host or (h.startswith("*.") and host.endswith(h[1:]) and host != h[2:]):
+            if _matches(h, host):
                 return rs
         return ()
 
@@ -174,6 +168,13 @@ class Policy:
                       egress_proxy=new.egress_proxy, dns_servers=new.dns_servers,
                       allow_public_traffic=self.allow_public_traffic,
                       mask_request_host=self.mask_request_host, https_ports=self.https_ports)
+
+
+def _matches(pattern: str, host: str) -> bool:
+    """A lower-case domain pattern against a lower-case host: "*.example.com" matches its subdomains, not itself."""
+    if pattern.startswith("*."):
+        return host.endswith(pattern[1:]) and host != pattern[2:]
+    return host == pattern
 
 
 def _show(n: Net) -> str:
