@@ -1,5 +1,5 @@
-"""Concurrent lifecycle commands on one sandbox, as a user's agent fires them: pause, snapshot, fork, connect, pause
-and a kill (or a timeout of 0) at the same moment, 50 rounds, on the fake runtime and on gVisor.
+"""Concurrent lifecycle commands on one sandbox, as a user's agent fires them: pause, snapshot, fork, connect, pause,
+a network update and a kill (or a timeout of 0) at the same moment, 50 rounds, on the fake runtime and on gVisor.
 
 Every answer is a success or a JSON 4xx, never a 5xx or a hang; afterwards the list, the info call and the
 runtime agree on one state, and a sandbox left paused resumes with its files.
@@ -20,6 +20,7 @@ from keepstate.testing import FakeRuntime
 from .conftest import Served
 
 ROUNDS = 50
+DENIED = "198.51.100.13"  # a documentation address: only named in a policy, never sent to
 
 
 async def write_file(s: Served, sid: str, token: str, path: str, data: bytes) -> None:
@@ -81,6 +82,7 @@ async def one_round(s: Served, n: int) -> dict[str, int]:
              ("fork", "POST", f"/sandboxes/{sid}/fork", {"count": 1, "timeout": 60}),
              ("connect", "POST", f"/sandboxes/{sid}/connect", {"timeout": 120}),
              ("pause", "POST", f"/sandboxes/{sid}/pause", None),
+             ("network", "PUT", f"/sandboxes/{sid}/network", {"denyOut": [DENIED]}),
              ending]
     random.Random(n).shuffle(calls)  # each round contests the lock in another order (seeded: reproducible)
     answers = await asyncio.wait_for(asyncio.gather(*(s.call(m, p, b) for _, m, p, b in calls)), timeout=240)
@@ -95,6 +97,10 @@ async def one_round(s: Served, n: int) -> dict[str, int]:
         if what == "snapshot" and status == 201:
             await s.call("DELETE", f"/templates/{body['snapshotID']}")
     state = await agree(s, sid)
+    if state != "gone":  # the network update took effect whole or not at all, and outlived any pause after it
+        status, info = await s.call("GET", f"/sandboxes/{sid}")
+        expected = [DENIED] if seen.get("network 204") else []
+        assert status == 200 and info["network"]["denyOut"] == expected, (seen, info["network"])
     if state == "paused":
         status, body = await s.call("POST", f"/sandboxes/{sid}/connect", {"timeout": 60})
         assert status == 201, body
