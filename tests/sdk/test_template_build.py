@@ -66,6 +66,9 @@ class Built:
 @pytest.fixture(scope="module")
 def built(e2b_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     ctx = _context(tmp_path_factory.mktemp("tpl"))
+    # Each instance of this fixture (one per xdist worker running this module, all on the shared server) builds
+    # cold: a copied file of its own, so one worker's build is not the other's cache hit.
+    (ctx / "folder" / "inner" / ".nonce").write_text(uuid.uuid4().hex)
     name = _name("full")
     logs: list[Any] = []
     Template.build(_template(ctx), name, cpu_count=1, memory_mb=1024, on_build_logs=logs.append)
