@@ -1,6 +1,6 @@
 """Templates from the stock SDK's `Template()`: cold and cached builds beside `docker build`'s work, and creates.
 
-    python benchmarks/template.py [--count 10] [--pool 10]
+    python benchmarks/template.py [--count 10] [--pool 10] [--template-pool 1]
 
 Starts its own KeepState server (free port, own data dir, the shared template cache, `--egress off` outside an
 isolated namespace), then with the stock e2b SDK:
@@ -9,7 +9,9 @@ isolated namespace), then with the stock e2b SDK:
     fresh nonce, so the first build is cold (no step in the cache); the second, identical, build must take every
     step from the cache (its `CACHED [` log lines are counted and printed);
   * create-to-first-command (`Sandbox.create(t)` then `commands.run("true")`), --count times each from the custom
-    template and from `base`, alternated, each sandbox killed before the next; p50 and p95.
+    template and from `base`, alternated, each sandbox killed before the next, each create after its template's
+    warm pool refilled (`base`: --pool booted sandboxes; the custom template: --template-pool restored from its
+    snapshot, started by its first create, which is timed apart); p50 and p95.
 The peer, measured in the same run, is the same work done the way `docker build` does it, on gVisor:
   * cold: unpack the `base` template's root filesystem into a fresh directory (a tar pipe), COPY the folder in
     (host side, as docker's COPY), RUN the step with `runsc --network=none --platform=systrap do` in that
@@ -157,6 +159,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=10, help="creates to time from each template")
     ap.add_argument("--pool", type=int, default=10, help="warm pool of `base` sandboxes (the server's --pool-size)")
+    ap.add_argument("--template-pool", type=int, default=1,
+                    help="warm pool of the built template (the server's --template-pool-size; 0: every create "
+                         "restores its snapshot)")
     args = ap.parse_args()
 
     os.environ.setdefault("KEEPSTATE_TEMPLATE_CACHE", TEMPLATE_CACHE)
@@ -172,7 +177,7 @@ def main() -> None:
         unpack_ms, steps_ms, _ = peer_cold(base.rootfs, ctx, work / "peer")
         peer_layers(ctx, work / "layers")
         cached_peer = median([peer_cached(ctx, work / "layers") for _ in range(5)])
-        with server(pool=args.pool) as srv:
+        with server(pool=args.pool, extra=("--template-pool-size", str(args.template_pool))) as srv:
             srv.sdk_env()
             cold_ms, cold_logs = build(ctx, name)
             warm_ms, warm_logs = build(ctx, name)
@@ -187,6 +192,8 @@ def main() -> None:
             first_base = create_first("base")
             for _ in range(args.count):
                 srv.wait_pool("base", args.pool)
+                if args.template_pool:
+                    srv.wait_pool(name, args.template_pool)
                 custom.append(create_first(name))
                 srv.wait_pool("base", args.pool)
                 plain.append(create_first("base"))
@@ -206,7 +213,7 @@ def main() -> None:
               peer_name="tar + runsc do steps"))
     cp50, bp50 = median(custom), median(plain)
     print(f"Create-to-first-command ({args.count} each, alternated; `base` from a warm pool of {args.pool}; "
-          f"the custom template restored from its snapshot)")
+          f"the custom template from a warm pool of {args.template_pool} restored from its snapshot)")
     print(row("custom template p50", cp50, bp50, peer_name="base p50"))
     print(row("custom template p95", pct(custom, 95), pct(plain, 95), peer_name="base p95"))
     print(row("the first create of each (not in the above)", first_custom, first_base, peer_name="base's first"))

@@ -58,6 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = API_PORT
     pool_size: int = 2
+    template_pool_size: int = 1  # built templates' pools (sandbox/creates.py)
     warm_templates: tuple[str, ...] = ("base",)
     open_ports: tuple[int, ...] = field(default_factory=tuple)
     reap_on_exit: bool = False
@@ -169,7 +170,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         gateway_app = create_gateway_app(gw_config)
         gateway = gateway_app[GATEWAY]
     manager = SandboxManager(catalog, runtime, templates=templates, recorder=recorder, durable=durable,
-                             pool_size=config.pool_size, host_name=socket.gethostname(), gateway=gateway,
+                             pool_size=config.pool_size, template_pool_size=config.template_pool_size,
+                             host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,

@@ -59,9 +59,12 @@ def sid(request: web.Request) -> str:
 async def health(request: web.Request) -> web.Response:
     m = manager(request)
     pools: dict[str, int] = {}
+    claims: dict[str, int] = {}
     for pool in m.pools.values():
         pools[pool.template] = pools.get(pool.template, 0) + len(pool)
+        claims[pool.template] = claims.get(pool.template, 0) + pool.claims
     return web.json_response({"status": "ok", "message": "Health check successful", "pools": pools,
+                              "poolClaims": claims,
                               "running": len(m.running()), "admission": m.admission(),
                               "teardowns": m.teardowns_pending()})
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 @click.option("--listen", default=f"127.0.0.1:{API_PORT}", show_default=True, help="HOST:PORT to listen on.")
 @click.option("--pool-size", default=2, show_default=True, type=int,
               help="Pre-started sandboxes kept ready per template (0 disables the warm pool).")
+@click.option("--template-pool-size", default=1, show_default=True, type=int,
+              help="Sandboxes restored ahead of demand for each built template (Template SDK, Dockerfile), "
+                   "from its first create until 15 minutes pass without one (0: none).")
 @click.option("--warm", default="base", show_default=True,
               help="Comma-separated templates to build (if needed) and keep warm at start.")
 @click.option("--store", "store_url", default=None, envvar="KEEPSTATE_STORE",
@@ -101,7 +104,8 @@ if TYPE_CHECKING:
 @egress_options
 @registry_options
 @home_option
-def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway_config: str | None,
+def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store_url: str | None,
+          gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
           disk_mb: int, volume_size_mb: int,
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
@@ -140,6 +144,7 @@ def serve(listen: str, pool_size: int, warm: str, store_url: str | None, gateway
         for name in warm_names:
             builder.ensure_built(name)
     config = ServerConfig(home=home(), host=host or "127.0.0.1", port=int(port), pool_size=pool_size,
+                          template_pool_size=template_pool_size,
                           warm_templates=warm_names, reap_on_exit=reap_on_exit,
                           store_url=store_url, gateway_config=Path(gateway_config) if gateway_config else None,
                           gateway_port=gateway_port, standby_seconds=standby_seconds, standby_mb=standby_mb,

@@ -73,7 +73,9 @@ async def adopt(m: SandboxManager) -> None:
             except RuntimeFailure as exc:
                 log.error("sandbox %s was frozen by an unfinished pause and cannot be thawed: %s",
                           row.sandbox_id, exc)
-        stale_pool = row.state == State.POOLED and latest.get(row.template_id) != row.template_digest
+        # A built template's pooled restore (creates.py) is not kept: the next create of it refills its pool.
+        stale_pool = row.state == State.POOLED and (latest.get(row.template_id) != row.template_digest
+                                                    or row.settings.checkpoint_id is not None)
         if row.state in (State.RUNNING, State.POOLED) and row.runtime_name in alive and not stale_pool:
             # A server that stopped (or died) with it frozen while idle: it runs again; this server's freezer
             # freezes it anew once it is idle.

@@ -227,23 +227,25 @@ class Checkpoints:
 
     # -- forks and creates from snapshots -----------------------------------------------------------------------
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
-                    api_key_id: str | None = None) -> list[Spawned]:
-        """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session."""
+                    api_key_id: str | None = None, pooled: bool = False) -> list[Spawned]:
+        """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session.
+        `pooled`: for a built template's warm pool (creates.py): POOLED rows, their slots sending nothing until a
+        create claims them, each restore waiting behind every user start."""
         self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
 
         async def one() -> SandboxRow:
             try:
-                async with self.instances.starts.slot():  # each child is a start of its own
-                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+                async with self.instances.starts.slot(refill=pooled):  # each child is a start of its own
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled)
             except Busy:
                 raise
             except Exception as exc:  # one more try: a restored agent now and then fails to answer
                 log.warning("restore of %s for a new sandbox failed (%r); trying once more",
                             manifest.checkpoint_id, exc)
-                async with self.instances.starts.slot():
-                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id)
+                async with self.instances.starts.slot(refill=pooled):
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled)
 
         try:
             results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
@@ -259,19 +261,20 @@ class Checkpoints:
         return out
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
-                         api_key_id: str | None) -> SandboxRow:
+                         api_key_id: str | None, pooled: bool = False) -> SandboxRow:
         # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data), and starts with
         # its parent's network policy.
         child_id = new_sandbox_id()
         handle, slot = await self.instances.restore(image, built, row_limits(parent),
                                                     self.instances.mounts(parent.settings.volume_mounts),
-                                                    (child_id, parent.settings.policy))
+                                                    None if pooled else (child_id, parent.settings.policy))
         assert handle.endpoint is not None
         now = time.time()
         settings = replace(parent.settings, session_id=child_id, checkpoint_id=manifest.checkpoint_id,
                            forked_from=parent.sandbox_id, standby=None, retired=None,
                            traffic_token=traffic_token(parent.settings.network))
-        row = SandboxRow(sandbox_id=child_id, state=State.RUNNING, template_id=parent.template_id,
+        row = SandboxRow(sandbox_id=child_id, state=State.POOLED if pooled else State.RUNNING,
+                         template_id=parent.template_id,
                          template_digest=built.digest, runtime_name=handle.name, slot=slot,
                          address=handle.endpoint.address, access_token=secrets.token_hex(16), started_at=now,
                          end_at=now + timeout, cpu=parent.cpu, memory_mb=parent.memory_mb,

@@ -43,6 +43,7 @@ async def expire_loop(m: SandboxManager) -> None:
                     pass  # changed meanwhile (killed, paused): nothing to expire
                 except Exception as exc:
                     log.warning("expiry of %s failed: %s", row.sandbox_id, exc)
+        m.creates.trim()  # built templates' pools no create came for in a while
         if len(m.standbys):
             try:
                 await m.trim_standbys()

@@ -16,20 +16,18 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db.catalog import Catalog
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import BadRequest, NotFound, Refused, Unavailable, Unsupported
-from keepstate.runtime.base import Limits, Runtime
+from keepstate.errors import BadRequest, NotFound, Unsupported
+from keepstate.runtime.base import Runtime
 from keepstate.session import SessionRecorder
 from keepstate.session.journal import JournalBusy
 from keepstate.store import Manifest
@@ -40,7 +38,8 @@ from . import adopt, loops
 from .admission import AdmissionConfig, Places
 from .agent_client import AgentClient, Quiesced, agent_url
 from .boot_images import BootImages
-from .checkpoints import MAX_FORKS, Checkpoints, Spawned, new_sandbox_id
+from .checkpoints import MAX_FORKS, Checkpoints, Spawned
+from .creates import DEFAULT_TIMEOUT, MAX_TIMEOUT, CreateRequest, Creates, check_timeout
 from .durable import Durability
 from .gateway_runs import GatewayRuns
 from .idle import DEFAULT_AFTER, IdleFreezer
@@ -51,7 +50,6 @@ from .slots import Slots
 from .standby import StandbyCache
 from .state import Command, State, listed, require
 from .templates import Templates
-from .traffic import traffic_token
 
 if TYPE_CHECKING:
     from keepstate.gateway.gateway import Gateway
@@ -59,8 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keepstate.sandbox")
 
-DEFAULT_TIMEOUT = 300
-MAX_TIMEOUT = 24 * 3600
 # Running, or on its way to or from it: a place of its API key's and an instance on the host.
 ACTIVE = (State.RUNNING, State.CHECKPOINTING, State.PAUSING, State.RESUMING)
 
@@ -68,37 +64,9 @@ __all__ = ["CreateRequest", "DEFAULT_TIMEOUT", "MAX_FORKS", "MAX_TIMEOUT", "Sand
            "check_timeout"]
 
 
-@dataclass
-class CreateRequest:
-    template_id: str
-    timeout: int = DEFAULT_TIMEOUT
-    metadata: dict[str, str] = field(default_factory=dict)
-    env_vars: dict[str, str] = field(default_factory=dict)
-    auto_pause: bool = False
-    cpu: float | None = None
-    memory_mb: int | None = None
-    disk_mb: int | None = None  # our extension (`diskSizeMB`)
-    auto_pause_memory: bool = True  # false: a timeout's auto-pause keeps the files only
-    allow_internet_access: bool | None = None
-    gateway: bool = True  # our extension: false keeps the metering gateway's variables out
-    volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
-    network: dict[str, Any] = field(default_factory=dict)  # the create's policy, Policy.to_json() ({}: default)
-    auto_resume: bool = False  # lifecycle autoResume: traffic to it while paused resumes it
-
-
-def check_timeout(value: Any, field_name: str = "timeout") -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise BadRequest(f"`{field_name}` must be a whole number of seconds")
-    if value > MAX_TIMEOUT:
-        raise BadRequest("Timeout cannot be greater than 24 hours")
-    if value < -MAX_TIMEOUT:
-        raise BadRequest(f"`{field_name}` must be a whole number of seconds")
-    return int(value)
-
-
 class SandboxManager:
     def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
-                 durable: Durability, pool_size: int = 2, gateway: Gateway | None = None,
+                 durable: Durability, pool_size: int = 2, template_pool_size: int = 1, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
@@ -112,6 +80,7 @@ class SandboxManager:
         self.durable = durable
         self.host_name = host_name
         self.pool_size = pool_size
+        self.template_pool_size = template_pool_size
         self.disk_mb = disk_mb
         self.agents = AgentClient()
         self.slots = Slots(runtime.slots, str(catalog.path.parent))
@@ -135,7 +104,7 @@ class SandboxManager:
         # Weak: a sandbox's lock lives while a command holds or awaits it, so killed sandboxes leave none behind.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
-        self._builds: dict[str, asyncio.Task[Built]] = {}
+        self.creates = Creates(self)
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
@@ -186,13 +155,7 @@ class SandboxManager:
         await self.agents.close()
 
     def pool(self, built: Built) -> Pool:
-        """The warm pool of one template build (keyed by its digest: a rebuilt template gets a new pool)."""
-        pool = self.pools.get(built.digest)
-        if pool is None:
-            pool = self.pools[built.digest] = Pool(built.digest, self.pool_size,
-                                                   lambda: self._start_pooled(built.name), template=built.name,
-                                                   room=self.places.room)
-        return pool
+        return self.creates.pool(built)
 
     # -- reading ------------------------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRow:
@@ -276,37 +239,6 @@ class SandboxManager:
         self.catalog.put_sandbox(row)
 
     # -- create -------------------------------------------------------------------------------------------------
-    async def _built(self, template: str) -> Built:
-        """The template's latest build; a first use starts the build and asks the caller to retry."""
-        try:
-            built = await asyncio.to_thread(self.templates.latest, template)
-        except NotFound:
-            raise NotFound(f"template '{template}' not found") from None
-        if built is not None:
-            return built
-        task = self._builds.get(template)
-        if task is None or task.done():
-            self._builds[template] = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.templates.ensure_built, template))
-        raise Unavailable(f"template '{template}' is being built for its first use (about a minute); "
-                          f"retry then, or run `keepstate template build {template}` ahead of time")
-
-    async def _start_pooled(self, template: str) -> SandboxRow:
-        """Start a sandbox for the pool and initialise its agent with a fresh token and the template's defaults,
-        so that a create that brings no env vars of its own only has to claim it."""
-        built = await self._built(template)
-        d = built.defaults
-        row = await self.instances.start(built, self._limits(built), refill=True)
-        row.access_token = secrets.token_hex(16)
-        row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir)
-        try:
-            await self.instances.init_agent(row, dict(d.env))
-        except BaseException:
-            await self.instances.reap(row)
-            raise
-        self.catalog.put_sandbox(row)
-        return row
-
     def volume_users(self, volume_id: str) -> list[str]:
         """The listed sandboxes (running, paused, on their way) that mount a volume."""
         return [r.sandbox_id for r in self.records.values()
@@ -324,110 +256,13 @@ class SandboxManager:
         if req.network:
             self.check_secrets(Policy.from_json(req.network))
         if not req.volume_mounts or self.find_snapshot(req.template_id) is not None:
-            return await self._create(req, api_key_id, [])
+            return await self.creates.create(req, api_key_id, [])
         if self.volumes is None:
             raise Unsupported("this server has no volume store")
         with self.volumes.pinned(name for name, _ in req.volume_mounts) as found:
             mounts = [{"name": name, "path": path, "volume_id": found[name].volume_id}
                       for name, path in req.volume_mounts]
-            return await self._create(req, api_key_id, mounts)
-
-    async def _create(self, req: CreateRequest, api_key_id: str | None,
-                      volume_mounts: list[dict[str, str]]) -> SandboxRow:
-        if req.timeout <= 0:
-            raise BadRequest("`timeout` must be a positive number of seconds")
-        snap = self.find_snapshot(req.template_id)
-        if snap is not None:
-            return await self._create_from_snapshot(snap, req, api_key_id)
-        built = await self._built(req.template_id)
-        d = built.defaults
-        limits = self._limits(built, req)
-        pool = self.pool(built)
-        pool.start()
-        # A pooled sandbox has no volumes: a create with mounts starts a fresh instance with them.
-        pooled = limits == self._limits(built) and not volume_mounts
-        claim = pooled and len(pool) > 0
-        # Its places are checked and reserved in this step, and handed to its record in the step that lists it
-        # (docs/design/admission.md). A warm sandbox claimed is on the host already: no host place is checked.
-        with self.places.reserve(api_key_id, check_host=not claim):
-            row = self._take(pool) if claim else None
-            if row is None:
-                row = await self.instances.start(built, limits, self.instances.mounts(volume_mounts))
-            require(Command.CREATE, row.state, row.sandbox_id)
-            old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
-            now = time.time()
-            row.sandbox_id = new_sandbox_id()
-            row.access_token = ready_token or secrets.token_hex(16)
-            row.started_at, row.end_at = now, now + req.timeout
-            row.api_key_id = api_key_id
-            row.settings = Settings(session_id=row.sandbox_id, metadata=dict(req.metadata),
-                                    env_vars=dict(req.env_vars), template_env=dict(d.env), auto_pause=req.auto_pause,
-                                    auto_pause_memory=req.auto_pause_memory,
-                                    allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
-                                    gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
-                                    network=dict(req.network), auto_resume=req.auto_resume,
-                                    traffic_token=traffic_token(req.network), starting_timeout=req.timeout)
-            row.state = State.RUNNING
-            try:
-                await self.instances.attach(row)
-                env = self.gateway.env(row)
-                if not ready_token or env != dict(d.env):
-                    # Something the pool could not know: this request's env vars, or its gateway token.
-                    await self.instances.init_agent(row, env, previous_token=ready_token or None)
-                self.catalog.rename_sandbox(old_id, row)
-            except BaseException:
-                await self.instances.reap(row, catalog_id=old_id)
-                raise
-            self.records[row.sandbox_id] = row
-        self.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
-                              agent_url=agent_url(row.address), token=row.access_token)
-        return row
-
-    def _pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
-        """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)."""
-        pool = self.pools.get(built.digest)
-        return self._take(pool) if pool is not None and limits == self._limits(built) else None
-
-    def _take(self, pool: Pool) -> SandboxRow | None:
-        """A pooled sandbox, thawed if the idle freezer froze it (its ID changes now: the waker would not know it)."""
-        row = pool.take()
-        if row is not None:
-            self.idle.wake(row.sandbox_id)
-        return row
-
-    def _limits(self, built: Built, req: CreateRequest | None = None) -> Limits:
-        """A new sandbox's limits: the request's, else its template's, else (the disk) the server's."""
-        d = built.defaults
-        ask = req or CreateRequest(template_id=built.name)
-        return Limits(cpu=ask.cpu or d.cpu, memory_mb=ask.memory_mb or d.memory_mb,
-                      disk_mb=ask.disk_mb or d.disk_mb or self.disk_mb)
-
-    async def _create_from_snapshot(self, snap: dict[str, Any], req: CreateRequest,
-                                    api_key_id: str | None) -> SandboxRow:
-        manifest = await asyncio.to_thread(self.durable.manifest, snap["checkpoint_id"])
-        info = json.loads(manifest.meta.labels["sandbox"])
-        settings = Settings.from_json(info["doc"])
-        settings.metadata = dict(req.metadata)
-        settings.env_vars = {**settings.env_vars, **req.env_vars}
-        settings.auto_pause = req.auto_pause
-        settings.auto_resume, settings.starting_timeout = req.auto_resume, req.timeout
-        if req.network:  # the create's policy, else the snapshot's
-            settings.network = dict(req.network)
-        theirs = [(m["name"], m["path"]) for m in settings.volume_mounts]
-        if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
-            raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "
-                          "sandbox made from it gets exactly those (gVisor restores only onto the same mounts)")
-        parent = SandboxRow(sandbox_id=snap["sandbox_id"], state=State.RUNNING, template_id=info["template_id"],
-                            template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
-                            access_token=info["access_token"], started_at=info["started_at"], end_at=0,
-                            cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]), api_key_id=api_key_id,
-                            settings=settings)
-        with self.places.reserve(api_key_id):  # its record is listed in the step _spawn returns in
-            result = (await self._spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
-        if result.row is None:
-            assert result.error is not None
-            raise result.error
-        return result.row
+            return await self.creates.create(req, api_key_id, mounts)
 
     # -- commands on one sandbox --------------------------------------------------------------------------------
     async def update_network(self, sandbox_id: str, body: Any) -> None:
@@ -534,7 +369,7 @@ class SandboxManager:
                 if await self.checkpoints.thaw(row, standby, timeout):
                     source = "standby"
             if source == "store":
-                await self.checkpoints.restore(row, timeout, pooled=self._pooled)
+                await self.checkpoints.restore(row, timeout, pooled=self.creates.pooled)
         except BaseException:
             row.runtime_name, row.slot, row.address = "", -1, ""
             self._set(row, State.PAUSED)
@@ -668,9 +503,9 @@ class SandboxManager:
                 places.enter_context(self.places.reserve(row.api_key_id, host=count, key=count))
                 manifest = await self._checkpoint_running(row, "fork")
                 parent = row.copy()
-            return await self._spawn(manifest, parent, count, timeout)
+            return await self.spawn(manifest, parent, count, timeout)
 
-    async def _spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
+    async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
                      api_key_id: str | None = None) -> list[Spawned]:
         results = await self.checkpoints.spawn(manifest, parent, count, timeout, api_key_id)
         for r in results:

@@ -32,12 +32,14 @@ class Pool:
         self._inflight: asyncio.Future[SandboxRow] | None = None
         self.failures = 0
         self.full = False
+        self.claims = 0  # sandboxes taken from it (/health reports it per template)
 
     def adopt(self, row: SandboxRow) -> None:
         self._ready.append(row)
 
     def take(self) -> SandboxRow | None:
         row = self._ready.popleft() if self._ready else None
+        self.claims += row is not None
         self._wake.set()
         return row
 

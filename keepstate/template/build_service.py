@@ -158,9 +158,13 @@ class TemplateBuilds:
         build = self.ready_build(ref)
         if build is None or build.checkpoint_id is None:
             return None
+        name, tag = split_ref(ref)
+        t = self.catalog.get_template(name)
+        label = t.name if t is not None else name
+        # "pool": a built template gets a warm pool of restored sandboxes (sandbox/creates.py), one per tag.
         return {"snapshot_id": build.template_id, "checkpoint_id": build.checkpoint_id,
                 "sandbox_id": build.sandbox_id or "template-build", "template_id": build.template_id,
-                "names": [ref]}
+                "names": [ref], "pool": label if tag == DEFAULT_TAG else f"{label}:{tag}"}
 
     def ready_build(self, ref: str) -> BuildRecord | None:
         name, tag = split_ref(ref)
@@ -295,6 +299,7 @@ class TemplateBuilds:
         t = self.template(ref)
         held = self.catalog.delete_template(t.template_id)
         for cp in held:
+            self.m.creates.drop_pool(cp)  # its warm sandboxes go too
             self._forget_checkpoint(cp)
         log.info("template %s (%s) deleted with %d snapshots", t.name, t.template_id, len(held))
 

@@ -21,7 +21,8 @@ from keepstate.api import volumes as volume_routes
 
 REPO = Path(__file__).resolve().parents[2]
 JSON = {"Content-Type": "application/json; charset=utf-8"}
-HEALTH = {"status": "ok", "message": "Health check successful", "pools": {"base": 1}, "running": 0,
+HEALTH = {"status": "ok", "message": "Health check successful", "pools": {"base": 1},
+          "poolClaims": {"base": 4}, "running": 0,
           "admission": {"starts": {"running": 1, "waiting": 0, "refillsWaiting": 1, "limit": 4, "queue": 16,
                                    "waitSeconds": 30.0, "refused": 0, "retryAfter": 2},
                         "sandboxes": {"onHost": 3, "limit": 376, "perKeyLimit": 100}}, "teardowns": 0}

@@ -5,6 +5,7 @@ background build with skip_cache, one Dockerfile build on top of it, and failure
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import os
@@ -112,6 +113,53 @@ def test_exists_and_tags(built: Built) -> None:
     assert "v1" not in {t.tag for t in Template.get_tags(built.name)}
     with pytest.raises(Exception, match="not found|404"):
         Sandbox.create(f"{built.name}:v1", timeout=60)
+
+
+def _health(server: Server) -> dict[str, Any]:
+    status, body = _call(server, "GET", "/health")
+    assert status == 200, body
+    return dict(body)
+
+
+def _wait_pool(server: Server, name: str) -> None:
+    """Until the template's warm pool (--template-pool-size, 1 here) holds a restored sandbox."""
+    deadline = time.monotonic() + 240
+    while _health(server)["pools"].get(name, 0) < 1:
+        assert time.monotonic() < deadline, f"the pool of {name} was never refilled: {_health(server)}"
+        time.sleep(0.2)
+
+
+def test_a_create_after_the_first_is_claimed_from_the_templates_warm_pool(built: Built, server: Server) -> None:
+    Sandbox.create(built.name, timeout=60).kill()  # a create starts the template's pool (if none did before)
+    _wait_pool(server, built.name)
+    claims = _health(server)["poolClaims"][built.name]
+    sbx = Sandbox.create(built.name, timeout=60, envs={"MINE": "claimed"}, metadata={"who": "claimed"})
+    try:
+        assert _health(server)["poolClaims"][built.name] == claims + 1  # this create took the pooled sandbox
+        r = sbx.commands.run(f'echo "$MINE|$GREETING"; cat /home/user/one.txt; pwd; whoami; '
+                             f"curl -s -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{PORT}/")
+        assert r.stdout.splitlines() == ["claimed|hello there", "one file", "/home/user/work", "user", "200"]
+        identity = json.loads(sbx.commands.run("cat /run/keepstate/identity.json").stdout)
+        assert identity["sandboxId"] == sbx.sandbox_id  # it knows its own identity, not a pool's
+        assert sbx.get_info().metadata == {"who": "claimed"}
+        assert sbx.is_running()
+    finally:
+        sbx.kill()
+
+
+def test_concurrent_creates_past_the_pool_each_get_a_sandbox_of_their_own(built: Built, server: Server) -> None:
+    _wait_pool(server, built.name)
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        boxes = list(ex.map(lambda i: Sandbox.create(built.name, timeout=60, envs={"N": str(i)}), range(3)))
+    try:
+        assert len({b.sandbox_id for b in boxes}) == 3
+        for i, b in enumerate(boxes):
+            b.files.write("/home/user/mine.txt", f"box {i}\n")
+        for i, b in enumerate(boxes):  # one claimed from the pool, two restored: none shares another's files
+            assert b.commands.run('echo "$N"; cat /home/user/mine.txt').stdout == f"{i}\nbox {i}\n"
+    finally:
+        for b in boxes:
+            b.kill()
 
 
 def _messages(logs: list[Any]) -> list[str]:
