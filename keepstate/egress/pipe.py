@@ -26,7 +26,10 @@ class Side:
     tls: bool = False
 
     def reset(self) -> None:
-        sock = self.writer.get_extra_info("socket")
+        try:
+            sock = self.writer.get_extra_info("socket")
+        except AttributeError:  # a TLS transport closed already has no protocol left to ask
+            sock = None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -8,8 +8,9 @@ The datapath dnats those connections to this listener; per connection the proxy
 3. decides with `Policy.ip_verdict` / `domain_allowed` ("name" needs a matching SNI/Host, else reset);
 4. dials the original address (never a re-resolved name), directly or through the policy's SOCKS5 upstream
    (`socks5.py`; fail closed);
-5. for a host with header rules parses its requests and sets the headers (`http1.py`), terminating TLS with a leaf
-   from the egress CA and re-encrypting to the verified upstream; every other connection is spliced untouched.
+5. for a host with header rules parses its requests and sets the headers (`relay.py`, `http1.py`), terminating TLS
+   with a leaf from the egress CA and re-encrypting to the verified upstream over a connection of the sandbox's
+   own pool (`pool.py`) when one is idle; every other connection is spliced untouched.
 Refusals are resets (SO_LINGER 0), as the kernel's reject would be. A secret's value exists only in the request
 head sent upstream: the log names hosts and header names, the proxy's own answers name secrets, never values.
 """
@@ -28,9 +29,11 @@ from typing import Any
 
 from keepstate.egress import socks5
 from keepstate.egress.ca import CA
-from keepstate.egress.http1 import MAX_HEAD, Answer, Request, relay, set_rule_headers
+from keepstate.egress.http1 import MAX_HEAD, Answer, Request, set_rule_headers
 from keepstate.egress.pipe import Side, reset_socket, splice
 from keepstate.egress.policy import HeaderRule, Policy
+from keepstate.egress.pool import Key, Pool, Upstream, Watched
+from keepstate.egress.relay import relay
 from keepstate.egress.sniff import Sniffed, final, sniff
 
 log = logging.getLogger(__name__)
@@ -65,11 +68,12 @@ class Proxy:
                  on_host: Callable[[str, str], None] = _nothing,
                  original_dst: Callable[[socket.socket], tuple[str, int]] = so_original_dst,
                  max_connections: int = 0,
-                 resolved: Callable[[str, str, str], bool] | None = None) -> None:
+                 resolved: Callable[[str, str, str], bool] | None = None, pool: Pool | None = None) -> None:
         """`max_connections` > 0 caps one sandbox's concurrent proxied connections (`serve
         --egress-max-connections`: the forward chain's `ct count` never sees these, they end at the proxy).
         `resolved(source, name, ip)`: whether the sandbox's resolver answered `name` with `ip`; given, a secret
-        travels in plain HTTP only to such an address (see `_rewriter`)."""
+        travels in plain HTTP only to such an address (see `_rewriter`). `pool`: where upstream connections of
+        intercepted hosts wait for the sandbox's next connection (default: a Pool with its default bounds)."""
         self.lookup, self.secret_value, self.ca, self.upstream_trust = lookup, secret_value, ca, upstream_trust
         self.guard, self.on_bytes, self.on_host, self.original_dst = guard, on_bytes, on_host, original_dst
         self.max_connections, self.resolved = max_connections, resolved
@@ -77,6 +81,8 @@ class Proxy:
         self._accepting: asyncio.Task[None] | None = None
         self._by_source: dict[str, set[asyncio.Task[None]]] = {}
         self._leaves: OrderedDict[str, asyncio.Future[ssl.SSLContext]] = OrderedDict()
+        self.pool = pool if pool is not None else Pool()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -92,6 +98,7 @@ class Proxy:
             sock.close()
             raise
         self._sock = sock
+        self._loop = asyncio.get_running_loop()
         self._accepting = asyncio.create_task(self._accept(sock), name="egress-proxy-accept")
 
     @property
@@ -121,13 +128,31 @@ class Proxy:
         for f in self._leaves.values():
             f.cancel()
         self._leaves.clear()
+        self.pool.close()
 
     def cut(self, source: str) -> int:
-        """Reset every connection of one sandbox (its policy changed or it is going away); how many there were."""
+        """Reset every connection of one sandbox (its policy changed or it is going away), and close its idle
+        upstream connections; how many connections there were."""
+        self.pool.drop(source)
         tasks = self._by_source.get(source, set())
         for t in tasks:
             t.cancel()
         return len(tasks)
+
+    def forget(self, source: str) -> None:
+        """Close the idle upstream connections of the sandbox at `source` (its policy changed, it stopped or the
+        slot is another's now). Callable from any thread: the egress service's attach/update/detach run in one."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self.pool.drop(source)
+        else:
+            loop.call_soon_threadsafe(self.pool.drop, source)
 
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -139,6 +164,7 @@ class Proxy:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            _nodelay(conn)
             source = addr[0]
             if self.max_connections and len(self._by_source.get(source, ())) >= self.max_connections:
                 log.info("egress %s: refused: over %d concurrent connections", source, self.max_connections)
@@ -206,28 +232,40 @@ class Proxy:
         rules = (policy.rules_for(name) or policy.rules_for(ip)) if seen.kind != "opaque" else ()
         # plain HTTP whose Host the peek did not see (a slow head): parse it anyway, each request's Host decides
         intercept = bool(rules) or (seen.kind == "http" and seen.host is None and bool(policy.rules))
-        up_sock = await self._dial(policy, ip, port)
-        raw.append(up_sock)
         up: Callable[[int], None] = lambda n: self._report(self.on_bytes, source, n, 0)  # noqa: E731
         down: Callable[[int], None] = lambda n: self._report(self.on_bytes, source, 0, n)  # noqa: E731
         if not intercept:
+            up_sock = await self._dial(policy, ip, port)
+            raw.append(up_sock)
             log.debug("egress %s → %s:%d (%s): spliced", source, name, port, seen.kind)
             client, upstream = await _own(raw, conn, _plain(conn)), await _own(raw, up_sock, _plain(up_sock))
             sides += [client, upstream]
             await splice(client, upstream, up, down)
             return
-        log.debug("egress %s → %s:%d (%s): header rules", source, name, port, seen.kind)
-        if seen.kind == "tls":  # the upstream first: if it fails, the sandbox's handshake is reset, not answered
-            upstream = await _own(raw, up_sock, _tls_client(up_sock, self.upstream_trust, name))
-            sides.append(upstream)
-            leaf = await self._leaf(name)
-            client = await _own(raw, conn, _tls_server(conn, leaf))
-        else:
-            upstream = await _own(raw, up_sock, _plain(up_sock))
-            sides.append(upstream)
-            client = await _own(raw, conn, _plain(conn))
+        tls_name = name if seen.kind == "tls" else None
+        key = Key(source, ip, port, tls_name, policy.egress_proxy)
+        kept = self.pool.take(key, policy)
+        log.debug("egress %s → %s:%d (%s): header rules, %s upstream connection", source, name, port, seen.kind,
+                  "a kept" if kept else "a new")
+        # the upstream first: if it fails, the sandbox's handshake is reset, not answered
+        up_conn = kept if kept is not None else await self._upstream(policy, ip, port, tls_name)
+        try:
+            if tls_name is not None:
+                leaf = await self._leaf(tls_name)
+                client = await _own(raw, conn, _tls_server(conn, leaf))
+            else:
+                client = await _own(raw, conn, _plain(conn))
+        except BaseException:
+            up_conn.side.reset()
+            raise
         sides.append(client)
-        await relay(client, upstream, self._rewriter(source, policy, seen, ip, rules), up, down)
+
+        def give_back(c: Upstream) -> None:
+            if self.pool.put(key, policy, c):
+                log.debug("egress %s → %s:%d: upstream connection kept for the next", source, name, port)
+
+        await relay(client, up_conn, self._rewriter(source, policy, seen, ip, rules), up, down,
+                    reopen=lambda: self._upstream(policy, ip, port, tls_name), give_back=give_back)
 
     def _rewriter(self, source: str, policy: Policy, seen: Sniffed, ip: str,
                   rules: tuple[HeaderRule, ...]) -> Callable[[Request], Awaitable[None]]:
@@ -333,6 +371,12 @@ class Proxy:
                 raise
             return sock
 
+    async def _upstream(self, policy: Policy, ip: str, port: int, tls_name: str | None) -> Upstream:
+        """A new connection to the upstream of an intercepted host: dialed (direct or SOCKS5), then TLS verified
+        for `tls_name` when it is one."""
+        sock = await self._dial(policy, ip, port)
+        return await _open_upstream(sock, self.upstream_trust if tls_name is not None else None, tls_name)
+
     async def _leaf(self, host: str) -> ssl.SSLContext:
         """The CA's context for `host`; the first issue per host runs in a thread (a few ms of signing), shared by
         the connections that ask meanwhile."""
@@ -377,10 +421,18 @@ async def _readable(conn: socket.socket, timeout: float) -> bool:
         loop.remove_reader(fd)
 
 
+def _nodelay(sock: socket.socket) -> None:
+    """TCP_NODELAY, which asyncio sets only on sockets whose `proto` says TCP (ours say 0): without it a TLS
+    record written after an unacknowledged one waits for the peer's delayed ACK (40 ms on Linux)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 async def _connect(ip: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setblocking(False)
+    _nodelay(sock)
     try:
         await asyncio.get_running_loop().sock_connect(sock, (ip, port))
     except BaseException:
@@ -394,10 +446,19 @@ async def _plain(sock: socket.socket) -> Side:
     return Side(reader, writer)
 
 
-async def _tls_client(sock: socket.socket, ctx: ssl.SSLContext, hostname: str) -> Side:
-    reader, writer = await asyncio.open_connection(sock=sock, ssl=ctx, server_hostname=hostname, limit=MAX_HEAD,
-                                                   ssl_handshake_timeout=CONNECT_S)
-    return Side(reader, writer, tls=True)
+async def _open_upstream(sock: socket.socket, ctx: ssl.SSLContext | None, hostname: str | None) -> Upstream:
+    """`sock` as an upstream stream whose protocol the pool can watch; from the call on its transport owns the
+    socket (and closes it if the TLS handshake fails)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_HEAD, loop=loop)
+    protocol = Watched(reader, loop)
+    if ctx is None:
+        transport, _ = await loop.create_connection(lambda: protocol, sock=sock)
+    else:
+        transport, _ = await loop.create_connection(lambda: protocol, sock=sock, ssl=ctx, server_hostname=hostname,
+                                                    ssl_handshake_timeout=CONNECT_S)
+    writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+    return Upstream(Side(reader, writer, tls=ctx is not None), protocol)
 
 
 async def _tls_server(sock: socket.socket, ctx: ssl.SSLContext) -> Side:

@@ -177,6 +177,7 @@ class Egress:
         firewall.apply(slot, link, policy, self.ports(), self.limits(), self._nets)
         self._slots[slot] = Attached(sandbox_id, link, policy)
         self._by_ip[link.sandbox_ip] = slot
+        self._forget_upstreams(link.sandbox_ip)  # none should be left from the slot's last sandbox: make sure
 
     def update(self, slot: int, sandbox_id: str, policy: Policy) -> None:
         """Replace a running sandbox's policy at once; connections the new one may deny are cut."""
@@ -192,6 +193,7 @@ class Egress:
         else:
             self._slots[slot] = Attached(sandbox_id, link, policy)
             self._by_ip[link.sandbox_ip] = slot
+        self._forget_upstreams(link.sandbox_ip)  # kept upstream connections were opened under the old policy
         if old is None or _may_deny_more(old, policy):
             firewall.cut_connections(link)
 
@@ -211,12 +213,19 @@ class Egress:
             return
         self._by_ip.pop(attached.link.sandbox_ip, None)
         self.resolver.memory.forget(attached.link.sandbox_ip)
+        self._forget_upstreams(attached.link.sandbox_ip)
         if attached.sandbox_id not in self._policies:
             return  # killed (forget): nothing of it is kept
         out, inn = firewall.counters().get(slot, (0, 0))
         total = self._totals.setdefault(attached.sandbox_id, [0, 0])
         total[0] += out
         total[1] += inn
+
+    def _forget_upstreams(self, sandbox_ip: str) -> None:
+        """Close the proxy's idle upstream connections of that address (egress/pool.py: never another sandbox's,
+        nor one made under an older policy)."""
+        if self.proxy is not None:
+            self.proxy.forget(sandbox_ip)
 
     def forget(self, sandbox_id: str) -> None:
         """A sandbox killed: nothing of it is kept."""

@@ -6,9 +6,14 @@ as they arrived (did the proxy set or substitute one?). Routes, at every site ad
 
 - `GET /`: `site <name>` (the DNS name the address is for, or the address itself when it has none);
 - `/echo` (any method): JSON `{"method", "path", "headers" (names lower-cased), "peer": "ip:port", "host",
-  "sni" (null over plain HTTP), "scheme", "site", "body_bytes"}`;
+  "sni" (null over plain HTTP), "scheme", "site", "body_bytes", "connection"}`, the last the number of the
+  connection that carried the request (the site's first is 1; `Site.connections` counts them, both ports);
 - `GET /bytes?n=N`: N bytes (zeros), with a Content-Length;
-- `POST /sink`: reads the body (Content-Length or chunked) and answers JSON `{"received": N}`.
+- `POST /sink`: reads the body (Content-Length or chunked) and answers JSON `{"received": N}`;
+- how a connection can end, for the egress proxy's upstream pool: `GET /close-delimited` (a body without length,
+  ended by closing), `GET /bye` (`Connection: close`, then closed), `GET /drop` (says keep-alive, then closes, as
+  a server's idle timeout would), `GET /hang-up` (answered; the connection's next request is read and not
+  answered: closed, as when a keep-alive timeout meets a request). Each answers `<route> <name> <connection>`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class Site:
     address: str
     name: str
     extra: dict[str, Callable[[], object]] = field(default_factory=dict)
+    connections: int = 0  # accepted so far, on both ports
 
 
 class BadRequest(Exception):
@@ -103,8 +109,13 @@ def _head(status: str, length: int, ctype: str, keep: bool) -> bytes:
             f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n").encode()
 
 
-async def handle(site: Site, scheme: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+ENDINGS = ("/close-delimited", "/bye", "/drop", "/hang-up")
+
+
+async def handle(site: Site, scheme: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 number: int = 0) -> None:
     peer = writer.get_extra_info("peername")
+    hang_up = False
     ssl_object = writer.get_extra_info("ssl_object")
     sni = getattr(ssl_object, "ks_sni", None) if ssl_object is not None else None
     try:
@@ -119,6 +130,8 @@ async def handle(site: Site, scheme: str, reader: asyncio.StreamReader, writer: 
                     k = k.lower()
                     headers[k] = f"{headers[k]}, {v}" if k in headers else v
                 body = await _read_body(reader, headers)
+                if hang_up:
+                    return
             except BadRequest as e:
                 msg = json.dumps({"code": 400, "message": str(e)}).encode()
                 writer.write(_head("400 Bad Request", len(msg), "application/json", False) + msg)
@@ -129,6 +142,17 @@ async def handle(site: Site, scheme: str, reader: asyncio.StreamReader, writer: 
             url = urlsplit(target)
             path = url.path or "/"
             status, ctype, payload, stream = "200 OK", "text/plain", b"", 0
+            if path in ENDINGS and method == "GET":
+                text = f"{path[1:]} {site.name} {number}".encode()
+                if path == "/close-delimited":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + text)
+                else:
+                    writer.write(_head(status, len(text), ctype, path != "/bye") + text)
+                await writer.drain()
+                if path != "/hang-up":
+                    return
+                hang_up = True
+                continue
             if path == "/" and method in ("GET", "HEAD"):
                 payload = f"site {site.name}".encode()
             elif path == "/echo":
@@ -136,7 +160,7 @@ async def handle(site: Site, scheme: str, reader: asyncio.StreamReader, writer: 
                 payload = json.dumps({
                     "method": method, "path": target, "headers": headers, "peer": f"{peer[0]}:{peer[1]}",
                     "host": headers.get("host"), "sni": sni, "scheme": scheme, "site": site.name,
-                    "body_bytes": body}).encode()
+                    "body_bytes": body, "connection": number}).encode()
             elif path == "/bytes" and method == "GET":
                 try:
                     stream = int(parse_qs(url.query).get("n", ["0"])[0])
@@ -198,6 +222,7 @@ async def serve_site(site: Site, port: int, tls: ssl.SSLContext | None = None) -
     scheme = "https" if tls is not None else "http"
 
     async def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await handle(site, scheme, r, w)
+        site.connections += 1
+        await handle(site, scheme, r, w, site.connections)
 
     return await asyncio.start_server(on_connect, site.address, port, ssl=tls, reuse_address=True, backlog=512)

@@ -1,4 +1,4 @@
-"""The request side of the header rules, without sockets: parsing, framing, headers set, secrets filled."""
+"""HTTP/1 heads without sockets: requests parsed and framed, headers set, secrets filled; responses framed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from keepstate.egress.http1 import Answer, parse_head, set_rule_headers
+from keepstate.egress.http1 import (
+    CHUNKED,
+    TUNNEL,
+    UNTIL_CLOSE,
+    Answer,
+    BadResponse,
+    parse_head,
+    parse_response_head,
+    set_rule_headers,
+)
 from keepstate.egress.policy import HeaderRule
 
 SECRETS = {"key": "VALUE-1", "nl": "a\r\nb", "wide": "snow\u2603"}
@@ -84,3 +93,77 @@ def test_unusable_secrets_are_a_502_naming_them_and_nothing_is_set(template: str
     assert e.value.status == 502 and named in message and "X-Bad" in message
     assert not any(v in body.decode() for v in SECRETS.values())
     assert req.headers == before
+
+
+# --- the client's connection, the upstream's ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("lines,closes,sent", [
+    (["Connection: close"], True, []),
+    (["Connection: Upgrade, close", "Upgrade: x"], True, ["Upgrade"]),
+    (["Connection: keep-alive"], False, ["keep-alive"]),
+    ([], False, []),
+])
+def test_a_clients_close_is_kept_from_the_upstream(lines: list[str], closes: bool, sent: list[str]) -> None:
+    req = parse_head(head("GET / HTTP/1.1", "Host: a.test", *lines))
+    assert req.closes is closes
+    req.keep_upstream()
+    assert req.values("connection") == sent
+
+
+def test_an_http10_client_closes_unless_it_says_keep_alive() -> None:
+    assert parse_head(head("GET / HTTP/1.0")).closes
+    assert not parse_head(head("GET / HTTP/1.0", "Connection: Keep-Alive")).closes
+
+
+@pytest.mark.parametrize("status,lines,method,expected", [
+    ("200 OK", ["Content-Length: 12"], "GET", 12),
+    ("200 OK", ["Content-Length: 12, 12"], "GET", 12),
+    ("200 OK", ["Content-Length: 12"], "HEAD", 0),
+    ("204 No Content", [], "GET", 0),
+    ("304 Not Modified", ["Content-Length: 12"], "GET", 0),
+    ("100 Continue", [], "POST", 0),
+    ("200 OK", ["Transfer-Encoding: gzip, chunked"], "GET", CHUNKED),
+    ("200 OK", ["Transfer-Encoding: gzip"], "GET", UNTIL_CLOSE),
+    ("200 OK", [], "GET", UNTIL_CLOSE),
+    ("101 Switching Protocols", ["Upgrade: websocket"], "GET", TUNNEL),
+    ("200 Connection established", [], "CONNECT", TUNNEL),
+])
+def test_response_framing(status: str, lines: list[str], method: str, expected: int) -> None:
+    assert parse_response_head(head(f"HTTP/1.1 {status}", *lines)).framing(method) == expected
+
+
+@pytest.mark.parametrize("raw", [
+    head("HTTP/1.1 200 OK", "Content-Length: 1", "Content-Length: 2"),
+    head("HTTP/1.1 200 OK", "Content-Length: x"),
+])
+def test_a_response_with_a_wrong_length_is_refused(raw: bytes) -> None:
+    with pytest.raises(BadResponse):
+        parse_response_head(raw).framing("GET")
+
+
+@pytest.mark.parametrize("raw", [head("HTTP/2 200"), head("HTTP/1.1 20 OK"), head("HTTP/1.1 200 OK", "bad line"),
+                                 b"SSH-2.0-OpenSSH_9.6\r\n\r\n"])
+def test_malformed_responses(raw: bytes) -> None:
+    with pytest.raises(BadResponse):
+        parse_response_head(raw)
+
+
+@pytest.mark.parametrize("version,lines,keeps", [
+    ("HTTP/1.1", ["Content-Length: 1"], True),
+    ("HTTP/1.1", ["Content-Length: 1", "Connection: close"], False),
+    ("HTTP/1.0", ["Content-Length: 1", "Connection: keep-alive"], False),
+    ("HTTP/1.1", ["Content-Length: 1", "Transfer-Encoding: chunked"], False),  # both: RFC 9112 6.1 closes
+])
+def test_whether_a_response_keeps_its_connection(version: str, lines: list[str], keeps: bool) -> None:
+    assert parse_response_head(head(f"{version} 200 OK", *lines)).keeps_alive is keeps
+
+
+def test_the_head_a_closing_client_gets_and_the_announced_idle_timeout() -> None:
+    resp = parse_response_head(head("HTTP/1.1 200 OK", "Content-Length: 1", "Connection: keep-alive",
+                                    "Keep-Alive: timeout=5, max=100", "X-A: b"))
+    assert resp.idle_s == 5.0
+    closing = parse_response_head(resp.closing())
+    assert closing.headers == [("Content-Length", "1"), ("X-A", "b"), ("Connection", "close")]
+    assert closing.status == 200 and closing.raw.startswith(b"HTTP/1.1 200 OK\r\n")
+    said = parse_response_head(head("HTTP/1.1 200 OK", "Connection: close"))
+    assert said.closing() == said.raw and said.idle_s is None

@@ -78,6 +78,14 @@ UPS = web.AppKey("ups", Upstreams)
 
 async def echo(request: web.Request) -> web.StreamResponse:
     ups = request.app[UPS]
+    if request.path == "/chunked":  # a response in pieces, without a length
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(b"part%d;" % i)
+        await resp.write_eof()
+        return resp
     if request.path == "/ws":
         ws = web.WebSocketResponse()
         await ws.prepare(request)
@@ -351,6 +359,36 @@ async def test_keep_alive_two_requests_on_one_connection_both_rewritten(env: Env
     assert [x["body_len"] for x in seen] == [1000, 2000]
     assert seen[0]["peer_port"] == seen[1]["peer_port"]  # one upstream connection
     assert [h for h in env.hosts if h[0] == src] == [(src, "api.rule.test")]  # one proxied connection
+
+
+async def test_a_chunked_response_then_another_request_on_one_connection(env: Env) -> None:
+    src = env.sandbox(rule_policy(), env.ups.https)
+    async with env.session(src, limit=1) as s:
+        kw: dict[str, Any] = {"ssl": trusting(env.egress_ca), "server_hostname": "api.rule.test",
+                              "headers": {"Host": "api.rule.test"}}
+        async with s.get(f"https://127.0.0.1:{env.port}/chunked", **kw) as r:
+            assert r.headers["Transfer-Encoding"] == "chunked" and await r.read() == b"part0;part1;part2;"
+        async with s.get(f"https://127.0.0.1:{env.port}/after", **kw) as r:
+            seen = await r.json()
+    assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
+    assert [h for h in env.hosts if h[0] == src] == [(src, "api.rule.test")]  # one client connection
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent(env: Env) -> None:
+    src = env.sandbox(rule_policy(), env.ups.https)
+    r, w = await asyncio.open_connection("127.0.0.1", env.port, local_addr=(src, 0), ssl=trusting(env.egress_ca),
+                                         server_hostname="api.rule.test")
+    try:
+        w.write(b"POST /e HTTP/1.1\r\nHost: api.rule.test\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100")  # the upstream's, through the proxy
+        w.write(b"hello")
+        head = await r.readuntil(b"\r\n\r\n")
+        length = int(next(x.split(b":")[1] for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")))
+        seen = json.loads(await r.readexactly(length))
+    finally:
+        w.close()
+    assert head.startswith(b"HTTP/1.1 200") and seen["body_len"] == 5
+    assert headers_of(seen)["authorization"] == [f"Bearer {SECRETS['api_key']}"]
 
 
 async def test_chunked_upload_through_a_rule_host(env: Env) -> None:
