@@ -140,8 +140,16 @@ class Proxy:
         return len(tasks)
 
     def forget(self, source: str) -> None:
-        """Close the idle upstream connections of the sandbox at `source` (its policy changed, it stopped or the
-        slot is another's now). Callable from any thread: the egress service's attach/update/detach run in one."""
+        """Close the idle upstream connections of the sandbox at `source` (its policy changed to one that denies
+        nothing more). Callable from any thread: the egress service's attach/update/detach run in one."""
+        self._soon(self.pool.drop, source)
+
+    def cut_soon(self, source: str) -> None:
+        """`cut`, from any thread: a policy that may deny more, or the sandbox stopped or its slot is another's
+        now. Scheduled on the proxy's loop before the caller returns, so it runs before the caller's answer."""
+        self._soon(self.cut, source)
+
+    def _soon(self, fn: Callable[[str], object], source: str) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -150,9 +158,9 @@ class Proxy:
         except RuntimeError:
             running = None
         if running is loop:
-            self.pool.drop(source)
+            fn(source)
         else:
-            loop.call_soon_threadsafe(self.pool.drop, source)
+            loop.call_soon_threadsafe(fn, source)
 
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()

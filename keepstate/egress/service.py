@@ -193,9 +193,11 @@ class Egress:
         else:
             self._slots[slot] = Attached(sandbox_id, link, policy)
             self._by_ip[link.sandbox_ip] = slot
-        self._forget_upstreams(link.sandbox_ip)  # kept upstream connections were opened under the old policy
         if old is None or _may_deny_more(old, policy):
-            firewall.cut_connections(link)
+            firewall.cut_connections(link)  # what goes straight out; what ends at the proxy is cut there
+            self._cut_proxied(link.sandbox_ip)
+        else:
+            self._forget_upstreams(link.sandbox_ip)  # kept upstream connections were opened under the old policy
 
     def detach(self, slot: int, sandbox_id: str | None = None) -> None:
         """Close the slot's egress (the instance stops); its byte counts stay with the sandbox."""
@@ -213,7 +215,7 @@ class Egress:
             return
         self._by_ip.pop(attached.link.sandbox_ip, None)
         self.resolver.memory.forget(attached.link.sandbox_ip)
-        self._forget_upstreams(attached.link.sandbox_ip)
+        self._cut_proxied(attached.link.sandbox_ip)  # nothing of the instance that left may go on
         if attached.sandbox_id not in self._policies:
             return  # killed (forget): nothing of it is kept
         out, inn = firewall.counters().get(slot, (0, 0))
@@ -226,6 +228,12 @@ class Egress:
         nor one made under an older policy)."""
         if self.proxy is not None:
             self.proxy.forget(sandbox_ip)
+
+    def _cut_proxied(self, sandbox_ip: str) -> None:
+        """Reset the proxy's connections from that address and close its idle upstream ones (conntrack does not
+        end them: they terminate at the proxy)."""
+        if self.proxy is not None:
+            self.proxy.cut_soon(sandbox_ip)
 
     def forget(self, sandbox_id: str) -> None:
         """A sandbox killed: nothing of it is kept."""

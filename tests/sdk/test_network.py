@@ -259,6 +259,63 @@ def test_domains_allowed_by_name_through_the_proxy(new_sandbox) -> None:
     assert reaches(sbx, f"http://{OTHER}/") and reaches(sbx, f"http://{PLAIN}/")
 
 
+HOLD_SCRIPT = r"""
+import socket
+c = socket.create_connection(("plain.test", 80), timeout=30)
+req = b"GET / HTTP/1.1\r\nHost: plain.test\r\n\r\n"
+def answer():
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = c.recv(4096)
+        if not chunk:
+            return "closed"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int([l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0])
+    while len(body) < length:
+        body += c.recv(4096)
+    return head.split(b" ")[1].decode()
+c.sendall(req)
+first = answer()
+open("/tmp/held", "w").write(first + "\n")  # blocks until the test reads it
+open("/tmp/go").read()  # blocks until the test has updated the policy
+try:
+    c.sendall(req)
+    second = answer()
+except OSError as exc:
+    second = "reset"
+print(first, second)
+"""
+
+
+def hold(sbx: Any) -> Any:
+    """HOLD_SCRIPT running in the sandbox: one keep-alive request to plain.test answered; the FIFOs pace it."""
+    sbx.files.write("/tmp/hold.py", HOLD_SCRIPT)
+    sbx.commands.run("mkfifo /tmp/held /tmp/go")
+    return sbx.commands.run("python3 /tmp/hold.py", background=True)
+
+
+def test_an_update_cuts_connections_held_through_the_proxy(new_sandbox) -> None:
+    """A connection allowed by name (so it ends at the proxy, which conntrack cannot cut) is reset once an update
+    denies its host: the next request on it gets no answer."""
+    sbx = new_sandbox(network={"allow_out": ["plain.test"], "deny_out": ["0.0.0.0/0"]})
+    held = hold(sbx)
+    assert sbx.commands.run("cat /tmp/held", timeout=60).stdout.strip() == "200"
+    sbx.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
+    sbx.commands.run("echo go > /tmp/go", timeout=60)
+    first, second = held.wait().stdout.split()
+    assert (first, second in ("reset", "closed")) == ("200", True), (first, second)
+
+
+def test_an_update_that_denies_nothing_more_keeps_held_connections(new_sandbox) -> None:
+    sbx = new_sandbox(network={"allow_out": ["plain.test"], "deny_out": ["0.0.0.0/0"]})
+    held = hold(sbx)
+    assert sbx.commands.run("cat /tmp/held", timeout=60).stdout.strip() == "200"
+    sbx.update_network({})  # everything allowed: what it held goes on
+    sbx.commands.run("echo go > /tmp/go", timeout=60)
+    assert held.wait().stdout.split() == ["200", "200"]
+
+
 def test_egress_off_lets_nothing_out(e2b_env) -> None:
     """`serve --egress off`: whatever the policy, nothing leaves (as before egress existed)."""
     import tempfile
