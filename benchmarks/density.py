@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -35,6 +36,16 @@ SHIM = "mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && exec \"$
 CPUACCT = Path("/sys/fs/cgroup/cpuacct/keepstate")
 MEMORY = Path("/sys/fs/cgroup/memory/keepstate")
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def pool_names(home: Path) -> set[str]:
+    """The runtime names of the server's warm pool now (its catalog's POOLED rows): what a kill of every listed
+    sandbox leaves running, by design."""
+    db = sqlite3.connect(f"file:{home / 'catalog.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        return {name for (name,) in db.execute("SELECT runtime_name FROM sandboxes WHERE state = 'pooled'")}
+    finally:
+        db.close()
 
 
 def cgroups() -> set[str]:
@@ -258,16 +269,17 @@ def main() -> None:
         with ThreadPoolExecutor(16) as ex:
             list(ex.map(kill, run.sandboxes))
         answered = time.monotonic() - t0
-        left = ours & run.ours()
+        left = ours & run.ours() - pool_names(srv.home)
         while left and time.monotonic() - t0 < 600:
             time.sleep(0.5)
-            left = ours & run.ours()
+            left = ours & run.ours() - pool_names(srv.home)  # the pool refilled meanwhile: those stay
         gone = time.monotonic() - t0
         leftovers = []
         try:
             from keepstate.testing import leftovers as find_leftovers  # type: ignore[attr-defined]
 
-            leftovers = [x for x in find_leftovers(srv.home) if not any(p in str(x) for p in pooled)]
+            kept = pooled | pool_names(srv.home)
+            leftovers = [x for x in find_leftovers(srv.home) if not any(p in str(x) for p in kept)]
         except ImportError:
             pass
         print(f"\nkill of all {count}: answered in {answered:.1f} s; cgroups gone in {gone:.1f} s "
