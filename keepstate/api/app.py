@@ -44,7 +44,7 @@ from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
 from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
-from .router import Router, target_of
+from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import validating_middleware
 
 log = logging.getLogger("keepstate.api")
@@ -183,16 +183,19 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     keys = KeyCache(catalog)
     template_builds = TemplateBuilds(manager, catalog, config.home)
 
-    @web.middleware
-    async def dispatch(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def to_router(request: web.Request) -> web.StreamResponse:
         target = target_of(request)
         if target is not None:
             return await router.handle(request, *target)
-        if request.path == "/files" and "signature" in request.query:
-            row = router.match_signed_file(request)
-            if row is None:
-                return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
-            return await router.handle(request, row.sandbox_id, AGENT_PORT)
+        row = router.match_signed_file(request)  # a signed /files URL (is_data_plane)
+        if row is None:
+            return web.json_response({"code": 401, "message": "invalid signature"}, status=401)
+        return await router.handle(request, row.sandbox_id, AGENT_PORT)
+
+    @web.middleware
+    async def dispatch(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if is_data_plane(request):
+            return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
         # A build context's upload URL carries its own signature (template/uploads.py): the SDK sends no API key.
         if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX) \
@@ -225,6 +228,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app.add_routes(template_routes.routes)
     app.add_routes(volume_routes.routes)
     app.add_routes(secret_routes.routes)
+    app.router.register_resource(DataPlane(to_router))  # last: see DataPlane
 
     gateway_runner: list[web.AppRunner] = []
 

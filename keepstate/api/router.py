@@ -5,33 +5,45 @@ SDK sends when E2B_SANDBOX_URL is set), when its Host is `<port>-<sandboxID>.<do
 when it is a signed `/files` URL (the only header-less data-plane request: it is matched to
 the sandbox whose access token produced the signature). Port 49983 is the agent, any other
 port is proxied to that port inside the sandbox, WebSockets included.
+
+HTTP goes out through the router's own HTTP/1.1 client and the sandbox's keep-alive pool (sandbox/upstream.py),
+WebSockets through aiohttp's; what is relayed how, and what it costs: docs/design/network.md, "Inbound".
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import logging
 import re
 import subprocess
 import time
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from keepstate.ports import AGENT_PORT
 from keepstate.sandbox.agent_client import InFlight
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.record import SandboxRow
+from keepstate.sandbox.upstream import Connection, UpstreamError
 
 from .inbound import TOKEN_HEADER, Inbound
 
+if TYPE_CHECKING:
+    from aiohttp.web_urldispatcher import _InfoDict  # AbstractResource.get_info's type
+
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length", TOKEN_HEADER}
+# Not relayed to the sandbox either: `expect` (the server has answered a 100-continue already).
+_HOP_RAW = {h.encode() for h in _HOP} | {b"expect"}
+_DEFAULT_PORT = {"http": 80, "https": 443}
+BUFFERED_BODY = 1 << 16  # a request body up to this size is read whole before it is relayed (it can be sent twice)
+HEADERS_WAIT = 0.002  # seconds an answer's headers wait for its first body bytes, to go out with them
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
 CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
@@ -79,6 +91,60 @@ def target_of(request: web.Request) -> tuple[str, int] | None:
     if m:
         return m.group(2), int(m.group(1))
     return None
+
+
+def is_data_plane(request: web.Request) -> bool:
+    """Whether the request is the router's (app.py's dispatch sends it here): a sandbox named by its headers or Host,
+    or a signed /files URL."""
+    if target_of(request) is not None:
+        return True
+    return request.path == "/files" and "signature" in request.query
+
+
+class DataPlane(web.AbstractResource):
+    """What every data-plane request resolves to: the app registers it after the control plane's routes, under "/"
+    (the last one looked at). Unresolved, such a request (its path is usually no API route) costs aiohttp an
+    HTTPNotFound and a middleware chain built anew per request, before the dispatch middleware sends it to the
+    router all the same; resolved here, it takes aiohttp's cached chain. Dispatch still decides: a data-plane
+    request whose path is also an API route resolves to that route and is sent to the router too."""
+
+    def __init__(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        super().__init__()
+        self._route = web.ResourceRoute("*", handler, self)
+
+    @property
+    def canonical(self) -> str:
+        return "/"
+
+    def url_for(self, **kwargs: str) -> URL:
+        raise NotImplementedError("data-plane requests have no URL of ours")
+
+    async def resolve(self, request: web.Request) -> tuple[web.UrlMappingMatchInfo | None, set[str]]:
+        if is_data_plane(request):
+            return web.UrlMappingMatchInfo({}, self._route), set()
+        return None, set()
+
+    def add_prefix(self, prefix: str) -> None:
+        raise NotImplementedError("the data plane is not a sub-application's")
+
+    def get_info(self) -> _InfoDict:
+        return {"path": "/"}
+
+    def raw_match(self, path: str) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[web.AbstractRoute]:
+        return iter((self._route,))
+
+
+class _Relayed(web.StreamResponse):
+    """A relayed answer whose headers go out with its first body bytes (one write, one wake-up of the client), as
+    aiohttp's own `Response` does; `_http` flushes them alone when the body is slow to come (HEADERS_WAIT)."""
+
+    _send_headers_immediately = False
 
 
 def file_signature(path: str, op: str, user: str, token: str, exp: str | None) -> str:
@@ -140,46 +206,94 @@ class Router:
             if request.headers.get("Upgrade", "").lower() == "websocket":
                 flight.started = True  # a cut WebSocket is closed, never answered
                 return await self._websocket(request, row, port)
-            return await self._while_client_stays(request, self._http(request, row, port, flight))
+            return await self._while_client_stays(request, row, port, flight)
 
-    async def _while_client_stays(self, request: web.Request,
-                                  relay: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    async def _while_client_stays(self, request: web.Request, row: SandboxRow, port: int,
+                                  flight: InFlight) -> web.StreamResponse:
         """Relay until the relay ends or the client goes away. The server does not cancel a handler whose client
         disconnected (a lifecycle call must run to its end), but a relay must not outlive its client: the
         sandbox would stream on to nobody, and a stream the SDK gave up on would end without a word. Cancelled,
         the relay closes its upstream (the sandbox sees the disconnect, as a client's own would be seen) and says
-        in the log where a silent stream stalled."""
-        task = asyncio.ensure_future(relay)
+        in the log where a silent stream stalled. The check is a timer every CLIENT_CHECK seconds on this task,
+        not a task of its own: most relays end before the first."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        gone = False
+        timer: list[asyncio.TimerHandle] = []
+
+        def check() -> None:
+            nonlocal gone
+            if request.transport is None or request.transport.is_closing():
+                gone = True
+                task.cancel()
+            else:
+                timer[0] = loop.call_later(CLIENT_CHECK, check)
+
+        timer.append(loop.call_later(CLIENT_CHECK, check))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK)
-                if done:
-                    return task.result()
-                if request.transport is None or request.transport.is_closing():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        return await task
-                    return web.Response(status=499)  # nobody reads it: the client is gone
+            return await self._http(request, row, port, flight)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+            return web.Response(status=499)  # nobody reads it: the client is gone
         finally:
-            task.cancel()
+            timer[0].cancel()
 
     async def _http(self, request: web.Request, row: SandboxRow, port: int, flight: InFlight) -> web.StreamResponse:
-        client = self.agents.proxy_session(row.sandbox_id)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        pool = self.agents.proxy_pool(row.sandbox_id)
         scheme, host = self.inbound.upstream(row, port)
-        if host is not None:
-            headers["Host"] = host
-        data: Any = None
+        if host is None:
+            host = row.address if port == _DEFAULT_PORT[scheme] else f"{row.address}:{port}"
+        target = request.raw_path if request.raw_path.startswith("/") else str(request.rel_url)
+        head = [f"{request.method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("utf-8", "surrogateescape")]
+        head += [name + b": " + value + b"\r\n" for name, value in request.raw_headers if name.lower() not in _HOP_RAW]
+        body, streamed, chunked = b"", False, False
         if request.body_exists:
-            if request.content_length is not None:
-                headers["Content-Length"] = str(request.content_length)
-            data = request.content.iter_any()
-        url = f"{scheme}://{row.address}:{port}{request.rel_url}"
+            length = request.content_length
+            if length is not None and length <= BUFFERED_BODY:
+                try:
+                    body = await request.content.read()  # whole: the request can be sent again if need be
+                except (ConnectionError, aiohttp.ClientError):
+                    return web.Response(status=499)  # nobody reads it: the client went away mid-body
+                head.append(b"Content-Length: %d\r\n" % len(body))
+            elif length is not None:
+                streamed = True
+                head.append(b"Content-Length: %d\r\n" % length)
+            else:
+                streamed = chunked = True
+                head.append(b"Transfer-Encoding: chunked\r\n")
+        head.append(b"\r\n")
+        request_bytes = b"".join(head) + body
         asked = time.monotonic()
+        sender: asyncio.Task[None] | None = None
+        conn: Connection | None = None
         try:
-            upstream_cm = client.request(request.method, url, headers=headers, data=data,
-                                         allow_redirects=False, compress=None, ssl=False)
-            upstream = await upstream_cm.__aenter__()
+            while True:
+                try:
+                    conn = await pool.connect(scheme, row.address, port)
+                except OSError:
+                    if flight.cut or self.manager.route(row.sandbox_id) is None:
+                        return not_found(row.sandbox_id)
+                    return port_closed(row.sandbox_id, port)
+                except (TimeoutError, UpstreamError):
+                    return not_found(row.sandbox_id)
+                conn.begin(request.method)
+                try:
+                    conn.write(request_bytes)
+                    if streamed:
+                        conn.body_sent = False
+                        sender = asyncio.ensure_future(_send_body(request, conn, chunked))
+                    answer = await conn.response()
+                    break
+                except UpstreamError:
+                    # A reused connection the sandbox had closed, unseen yet: again on another (at worst a new one),
+                    # if the request can be sent again. Else the sandbox was killed, paused or checkpointed: a 502.
+                    if conn.reused and not streamed and not flight.cut:
+                        conn.close()
+                        continue
+                    return not_found(row.sandbox_id)
         except asyncio.CancelledError:
             # The client gave up waiting (its timeout): say how long the sandbox left it without an answer, the
             # evidence for a stream that never got one.
@@ -187,33 +301,41 @@ class Router:
                 log.warning("%s %s to port %d of sandbox %s: the client went away after %.1f s without the "
                             "sandbox's answer; tcp: %s", request.method, request.path, port, row.sandbox_id,
                             time.monotonic() - asked, tcp_state(row.address, port))
+            if conn is not None:
+                conn.close()
+            if sender is not None:
+                sender.cancel()
             raise
-        except aiohttp.ClientConnectorError:
-            if flight.cut or self.manager.route(row.sandbox_id) is None:
-                return not_found(row.sandbox_id)
-            return port_closed(row.sandbox_id, port)
-        except (TimeoutError, aiohttp.ClientError, RuntimeError):
-            # Cut before its response started (the sandbox was killed, paused or checkpointed): a JSON 502.
-            return not_found(row.sandbox_id)
-        flight.upstream.append(upstream)
         if time.monotonic() - asked > SLOW_ANSWER:
             log.warning("%s %s to port %d of sandbox %s: the sandbox answered after %.1f s", request.method,
                         request.path, port, row.sandbox_id, time.monotonic() - asked)
+        released = False
         try:
             if flight.cut:
                 return not_found(row.sandbox_id)
-            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for k, v in upstream.headers.items():
-                if k.lower() not in _HOP:
+            resp = _Relayed(status=answer.status, reason=answer.reason)
+            length_given, encoded = None, False
+            for k, v in answer.headers:
+                lower = k.lower()
+                if lower not in _HOP:
                     resp.headers.add(k, v)
-            if upstream.headers.get("Content-Length") is not None and "Transfer-Encoding" not in upstream.headers:
-                resp.content_length = int(upstream.headers["Content-Length"])
+                elif lower == "content-length":
+                    length_given = v
+                elif lower == "transfer-encoding":
+                    encoded = True
+            if length_given is not None and not encoded:
+                resp.content_length = int(length_given)
             flight.started = True
-            await resp.prepare(request)
-            streamed, last = 0, time.monotonic()
+            streamed_bytes, last = 0, time.monotonic()
             try:
-                async for chunk in upstream.content.iter_any():
-                    streamed, last = streamed + len(chunk), time.monotonic()
+                # Servers that send their headers and their body apart (python's http.server) are relayed in one
+                # write; a body that takes longer than HEADERS_WAIT (a stream) gets its headers sent first.
+                ready = await conn.body_ready(HEADERS_WAIT)
+                await resp.prepare(request)
+                if not ready:
+                    await resp.write(b"")  # the headers, alone
+                while (chunk := await conn.chunk()) is not None:
+                    streamed_bytes, last = streamed_bytes + len(chunk), time.monotonic()
                     await resp.write(chunk)
             except (asyncio.CancelledError, ConnectionResetError) as gone:
                 # The client went away mid-stream. After a long silence from the sandbox, that is the evidence
@@ -222,20 +344,26 @@ class Router:
                     log.warning("%s %s to port %d of sandbox %s: the client went away %.1f s into the stream, "
                                 "%.1f s after the sandbox's last bytes (%d streamed); tcp: %s", request.method,
                                 request.path, port, row.sandbox_id, time.monotonic() - asked,
-                                time.monotonic() - last, streamed, tcp_state(row.address, port))
+                                time.monotonic() - last, streamed_bytes, tcp_state(row.address, port))
                 if isinstance(gone, asyncio.CancelledError):
                     raise
                 return resp  # a write to a client that has gone: nobody to answer
-            except (TimeoutError, aiohttp.ClientError):
+            except UpstreamError:
                 # The sandbox went away mid-stream: end the client's connection uncleanly so the
                 # SDK sees an interrupted stream, not a stream that ended normally.
                 if request.transport is not None:
                     request.transport.close()
                 return resp
             await resp.write_eof()
+            if sender is None or sender.done():
+                pool.release(conn)
+                released = True
             return resp
         finally:
-            await upstream_cm.__aexit__(None, None, None)
+            if sender is not None:
+                sender.cancel()
+            if not released:
+                conn.close()
 
     async def _websocket(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
         client = self.agents.proxy_session(row.sandbox_id)
@@ -275,3 +403,17 @@ class Router:
             await upstream.close()
             await ws.close()
         return ws
+
+
+async def _send_body(request: web.Request, conn: Connection, chunked: bool) -> None:
+    """Stream the client's request body into the sandbox (alongside its answer: both ways at once). A client that goes
+    away mid-body closes the upstream connection: the sandbox sees the request cut."""
+    try:
+        async for data in request.content.iter_any():
+            conn.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            await conn.drain()
+        if chunked:
+            conn.write(b"0\r\n\r\n")
+        conn.body_sent = True
+    except (UpstreamError, OSError, aiohttp.ClientError, asyncio.IncompleteReadError):
+        conn.close()

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from .router import target_of
+from .router import is_data_plane
 
 log = logging.getLogger("keepstate.api.spec")
 SPEC_PATH = Path(__file__).with_name("openapi.yaml")
@@ -230,13 +230,6 @@ def _content_type(headers: Mapping[str, str]) -> str:
 # -- the middleware ---------------------------------------------------------------------
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes")
-
-
-def is_data_plane(request: web.Request) -> bool:
-    """The router's requests (as app.py's dispatch tells them apart): proxied, not ours to check."""
-    if target_of(request) is not None:
-        return True
-    return request.path == "/files" and "signature" in request.query
 
 
 def validating_middleware(spec: Spec | None = None, enabled: bool | None = None) -> Middleware:

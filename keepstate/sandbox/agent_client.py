@@ -6,12 +6,13 @@ connection in gVisor's netstack at checkpoint time wedges the agent after a rest
 
 - host calls (`health`, `init`, `metrics`, `journal`) use connections that are closed after each call (no
   keep-alive), and are counted while in flight;
-- the router's proxied requests use one keep-alive pool per sandbox (`proxy_session`) and register each in-flight
-  request (`proxying`);
+- the router's proxied requests use one keep-alive pool per sandbox (`proxy_pool`, upstream.py; WebSockets an
+  aiohttp session per sandbox, `proxy_session`) and register each in-flight request (`proxying`);
 - `quiesce(sandbox_id, hold)` closes the gate: host calls raise `Quiesced`; router requests wait (hold=True, the
   sandbox runs on: a snapshot or fork) or are answered 502 by the router (a pause: the sandbox is no longer
-  RUNNING); it waits for host calls in flight, cuts the router's in-flight requests and closes its pool, gives
-  the netstack a moment to see the closes, and only then yields. The gate opens again when the block ends.
+  RUNNING); it waits for host calls in flight, cuts the router's in-flight requests and closes its pools (every
+  connection, idle or in use), gives the netstack a moment to see the closes, and only then yields. The gate
+  opens again when the block ends. A kill (`abort`) cuts and closes the same way.
 
 A fourth caller that went around this class would break checkpoints; none may.
 
@@ -29,7 +30,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ import aiohttp
 
 from keepstate.ports import AGENT_PORT
 from keepstate.runtime.base import RuntimeFailure
+
+from .upstream import Pool
 
 SETTLE = 0.05  # after closing connections, before a checkpoint: the sandbox's netstack sees the closes
 HOST_CALL_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -59,7 +62,6 @@ class InFlight:
     transport: asyncio.BaseTransport | None
     started: bool = False
     cut: bool = False
-    upstream: list[aiohttp.ClientResponse] = field(default_factory=list)
 
 
 class AgentClient:
@@ -69,7 +71,8 @@ class AgentClient:
         self._idle = asyncio.Condition()
         self._closed: dict[str, asyncio.Event] = {}  # quiesced sandboxes; set when the gate opens again
         self._hold: set[str] = set()  # quiesced sandboxes whose router requests wait
-        self._proxy: dict[str, aiohttp.ClientSession] = {}
+        self._proxy: dict[str, aiohttp.ClientSession] = {}  # WebSockets
+        self._pools: dict[str, Pool] = {}  # HTTP
         self._inflight: dict[str, set[InFlight]] = {}
         self._active: dict[str, float] = {}  # monotonic time a counted call last started or ended, by sandbox
         self._busy: Counter[str] = Counter()  # counted calls and proxied requests in flight, by sandbox
@@ -82,7 +85,7 @@ class AgentClient:
                                                connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
     async def close(self) -> None:
-        for sid in list(self._proxy):
+        for sid in set(self._proxy) | set(self._pools):
             session = self._drop(sid)
             if session is not None:
                 await session.close()
@@ -105,7 +108,7 @@ class AgentClient:
         try:
             async with self._idle:
                 await self._idle.wait_for(lambda: not self._calls[sandbox_id])
-            session = self._drop(sandbox_id)
+            session = self._drop(sandbox_id)  # closes the pool
             if session is not None:
                 await session.close()
             await asyncio.sleep(SETTLE)
@@ -264,7 +267,15 @@ class AgentClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout)
 
+    def proxy_pool(self, sandbox_id: str) -> Pool:
+        """The sandbox's keep-alive pool of HTTP connections (a new one after the gate or a kill closed the last)."""
+        pool = self._pools.get(sandbox_id)
+        if pool is None or pool.closed:
+            pool = self._pools[sandbox_id] = Pool()
+        return pool
+
     def proxy_session(self, sandbox_id: str) -> aiohttp.ClientSession:
+        """The aiohttp session the router's WebSockets into the sandbox use."""
         session = self._proxy.get(sandbox_id)
         if session is None or session.closed:
             session = self._proxy[sandbox_id] = aiohttp.ClientSession(
@@ -286,8 +297,8 @@ class AgentClient:
                 self._inflight.get(sandbox_id, set()).discard(flight)
 
     def has_pool(self, sandbox_id: str) -> bool:
-        session = self._proxy.get(sandbox_id)
-        return session is not None and not session.closed
+        session, pool = self._proxy.get(sandbox_id), self._pools.get(sandbox_id)
+        return (session is not None and not session.closed) or (pool is not None and not pool.closed)
 
     async def close_pool(self, sandbox_id: str) -> None:
         """Close the router's keep-alive connections into the sandbox, unless a proxied request is in flight (the
@@ -295,22 +306,27 @@ class AgentClient:
         unanswered)."""
         if self._inflight.get(sandbox_id):
             return
+        pool = self._pools.pop(sandbox_id, None)
+        if pool is not None:
+            pool.close()
         session = self._proxy.pop(sandbox_id, None)
         if session is not None:
             await session.close()
 
     def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
-        """Cut the sandbox's in-flight proxied requests; hand back its pool for closing.
+        """Cut the sandbox's in-flight proxied requests and close its pool of connections (in use ones too); hand
+        back its WebSocket session for closing.
 
         A request whose response has started loses its client connection (the SDK sees an interrupted stream); one
         whose response has not started only loses its upstream connection (closing the pool), and the router
         answers it with its JSON 502."""
         for flight in list(self._inflight.pop(sandbox_id, ())):
             flight.cut = True
-            for upstream in flight.upstream:
-                upstream.close()
             if flight.started and flight.transport is not None:
                 flight.transport.close()
+        pool = self._pools.pop(sandbox_id, None)
+        if pool is not None:
+            pool.close()
         return self._proxy.pop(sandbox_id, None)
 
     def abort(self, sandbox_id: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import ssl
 import subprocess
 import urllib.request
@@ -141,6 +142,20 @@ def test_plan_listeners_and_domain(tmp_path: Path) -> None:
     assert (tmp_path / "tls" / "router-ca.pem").exists()
     sites, domain = listeners.plan(tmp_path, "127.0.0.1", 3000, "Sbx.Example.Test", None, None, True, "0.0.0.0:8443")
     assert domain == "sbx.example.test" and sites[1].url == "https://0.0.0.0:8443"
+
+
+def test_listening_sockets_defer_accept_and_refuse_a_taken_port() -> None:
+    port = free_port()
+    socks = listeners.listening_sockets("127.0.0.1", port)
+    try:
+        assert [s.getsockname() for s in socks] == [("127.0.0.1", port)]
+        assert socks[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT) > 0
+        socks[0].listen()
+        with pytest.raises(OSError):  # taken: an error at start, as TCPSite's was
+            listeners.listening_sockets("127.0.0.1", port)
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.mark.parametrize("args", [("cert.pem", None, False, None), ("cert.pem", "key.pem", True, None),
