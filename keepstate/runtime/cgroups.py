@@ -15,6 +15,7 @@ small file writes (well under a millisecond), so callers on an event loop may ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -154,8 +155,10 @@ def _write(path: Path, value: str) -> bool:
     try:
         path.write_text(value)
         return True
-    except FileNotFoundError:
-        return False  # the sandbox (and so its cgroup) is gone
+    except OSError as exc:  # the sandbox (and so its cgroup) is gone, or being removed (ENODEV)
+        if exc.errno in (errno.ENOENT, errno.ENODEV):
+            return False
+        raise
 
 
 def freeze(name: str, root: Path = ROOT) -> bool:

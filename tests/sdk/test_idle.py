@@ -7,6 +7,7 @@ state and CPU time) is read from its cgroups, found by the runtime name the serv
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,11 +35,17 @@ def runtime_name(server: Server, sandbox_id: str) -> str:
 
 
 def freezer_state(name: str) -> str:
+    """FROZEN, THAWED or GONE. A cgroup being removed while it is read answers ENODEV (or ENOENT): gone."""
     v1 = CGROUP / "freezer" / "keepstate" / name / "freezer.state"
-    if v1.parent.parent.parent.exists():
-        return v1.read_text().strip() if v1.exists() else "GONE"
-    v2 = CGROUP / "keepstate" / name / "cgroup.freeze"
-    return ("FROZEN" if v2.read_text().strip() == "1" else "THAWED") if v2.exists() else "GONE"
+    try:
+        if v1.parent.parent.parent.exists():
+            return v1.read_text().strip()
+        v2 = CGROUP / "keepstate" / name / "cgroup.freeze"
+        return "FROZEN" if v2.read_text().strip() == "1" else "THAWED"
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENODEV):
+            return "GONE"
+        raise
 
 
 def cpu_ns(name: str) -> int:
