@@ -29,8 +29,8 @@ import keepstate
 from keepstate.mountpoints import AGENT_RUNTIME, TEMPLATE_VIEW, VOLUME_MOUNTS_ENV, VOLUME_SLOTS, VOLUMES_DIR
 from keepstate.ports import AGENT_PORT
 
+from . import affinity, cgroups, network, remains
 from . import agent_runtime as agent_rt
-from . import cgroups, network, remains
 from .base import Endpoint, Handle, Leftover, RuntimeFailure, SandboxSpec, host_cpu_flags
 from .runsc_state import container_state, container_states
 
@@ -171,6 +171,7 @@ class GVisorRuntime:
         self.root.mkdir(parents=True, exist_ok=True)
         self.lib_dir = Path(keepstate.__file__).resolve().parent
         self.slots = HostSlots()
+        self.cpus = affinity.StartCPUs()
         self._release: str | None = None
         self._agent_runtime: agent_rt.AgentRuntime | None = None
 
@@ -212,13 +213,17 @@ class GVisorRuntime:
         return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
 
     def _runsc(self, *args: str, timeout: float = 60, log: Path | None = None,
-               detach_io: bool = False, disk: tuple[Path, Path] | None = None) -> subprocess.CompletedProcess[str]:
-        """`disk`: (image, mount point) to mount for the sandbox this command starts."""
+               detach_io: bool = False, disk: tuple[Path, Path] | None = None,
+               cpu: int | None = None) -> subprocess.CompletedProcess[str]:
+        """`disk`: (image, mount point) to mount for the sandbox this command starts. `cpu`: the one CPU it and the
+        processes it starts run on (affinity.py)."""
         if disk is None:
             cmd = ["unshare", "-m", "--", "sh", "-c", _SHIM, "sh", "runsc", *self._global_flags(None), *args]
         else:
             cmd = ["unshare", "-m", "--", "sh", "-c", _SHIM_DISK, "sh", str(disk[0]), str(disk[1]), "runsc",
                    *self._global_flags(disk[1]), *args]
+        if cpu is not None:
+            cmd = ["taskset", "-c", str(cpu), *cmd]
         if detach_io:
             # The sandbox outlives us: give it its own session and files, not our pipes.
             assert log is not None
@@ -358,12 +363,21 @@ class GVisorRuntime:
         network.create(link)
         bundle = self._bundle(spec, link, rt)
         log = self._dir(spec.name) / "runsc.log"
-        proc = self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}",
-                           spec.name, timeout=600, log=log, detach_io=True, disk=disk)
-        if proc.returncode != 0:
-            self._undo(self._handle(spec, link))
-            raise self._fail("restore", spec.name, proc)
+        with self.cpus.one() as cpu:
+            proc = self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}",
+                               spec.name, timeout=600, log=log, detach_io=True, disk=disk, cpu=cpu)
+            if proc.returncode != 0:
+                self._undo(self._handle(spec, link))
+                raise self._fail("restore", spec.name, proc)
+            if cpu is not None:
+                self._unpin(spec.name)
         return self._handle(spec, link)
+
+    def _unpin(self, name: str) -> None:
+        """Every CPU again for the restored sandbox's threads (its sentry's, its stubs', its gofer's)."""
+        folders = cgroups.paths(CGROUP_PARENT, name)
+        affinity.unpin(lambda: cgroups.pids(folders) | affinity.threads(remains.container_pids(self.root, name)),
+                       self.cpus.all)
 
     def idle_freeze(self, handle: Handle) -> None:
         if not cgroups.freeze(handle.name):

@@ -150,9 +150,14 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _nsenter(link: Link, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    # nsenter, not `ip netns exec`: the latter remounts /sys and breaks cgroup set-up.
-    return _run("nsenter", f"--net={link.netns_path}", *args, check=check)
+def _batch(netns: str | None, lines: list[str], check: bool = True) -> None:
+    """Run `ip` commands in one process, in `netns` if given; with check=False every line is tried (-force) and
+    failures (what is already gone) are ignored."""
+    args = ["ip", *(["-n", netns] if netns else []), *([] if check else ["-force"]), "-batch", "-"]
+    proc = subprocess.run(args, input="\n".join(lines) + "\n", capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise OSError(f"ip {'-n ' + netns + ' ' if netns else ''}-batch ({'; '.join(lines)}) failed: "
+                      f"{proc.stderr.strip() or proc.stdout.strip()}")
 
 
 def forget_connections(link: Link) -> None:
@@ -172,18 +177,27 @@ def forget_connections(link: Link) -> None:
 
 
 def create(link: Link) -> None:
-    """Create the namespace and veth pair; idempotent (a half-made link is rebuilt)."""
-    destroy(link)  # and with it the last sandbox's connection-tracking entries
-    _run("ip", "netns", "add", link.netns)
-    peer = f"ksp{link.slot}"
-    _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", peer)
-    _run("ip", "link", "set", peer, "netns", link.netns)
-    _run("ip", "addr", "add", f"{link.host_ip}/30", "dev", link.host_if)
-    _run("ip", "link", "set", link.host_if, "up")
-    _nsenter(link, "ip", "link", "set", peer, "name", "eth0")
-    _nsenter(link, "ip", "link", "set", "lo", "up")
-    _nsenter(link, "ip", "link", "set", "eth0", "up")
-    prepare_for_start(link)
+    """Create the namespace and veth pair; idempotent (a half-made link is rebuilt).
+
+    Two `ip -batch` processes rather than one process a step: each process start costs 7-8 ms here and ~30 under
+    load, and fifteen of them were a fifth of a restore's time. A slot is released only once its link is destroyed
+    (teardowns.py), connection-tracking entries and host sockets with it, so a slot with nothing left is not
+    destroyed again; one with anything of a link left (a half-made one, a dead server's) is.
+    """
+    if leftover(link):
+        destroy(link)  # and with it the last sandbox's connection-tracking entries
+    _batch(None, [
+        f"netns add {link.netns}",
+        # The peer is made inside the namespace under its final name.
+        f"link add {link.host_if} type veth peer name eth0 netns {link.netns}",
+        f"addr add {link.host_ip}/30 dev {link.host_if}",
+        f"link set {link.host_if} up",
+    ])
+    _batch(link.netns, ["link set lo up", "link set eth0 up", *_start_lines(link)])
+
+
+def _start_lines(link: Link) -> list[str]:
+    return [f"addr replace {link.sandbox_ip}/30 dev eth0", f"route replace default via {link.host_ip} dev eth0"]
 
 
 def prepare_for_start(link: Link) -> None:
@@ -192,13 +206,16 @@ def prepare_for_start(link: Link) -> None:
     runsc moves the interface's addresses into its own netstack, so after a sandbox
     stopped the namespace has none left.
     """
-    _nsenter(link, "ip", "addr", "replace", f"{link.sandbox_ip}/30", "dev", "eth0")
-    _nsenter(link, "ip", "route", "replace", "default", "via", link.host_ip, "dev", "eth0")
+    _batch(link.netns, _start_lines(link))
+
+
+def leftover(link: Link) -> bool:
+    """Whether anything of the slot's link exists: its namespace's file or the host's end of its veth."""
+    return os.path.exists(link.netns_path) or has_interface(link.host_if)
 
 
 def destroy(link: Link) -> None:
-    _run("ip", "link", "del", link.host_if, check=False)
-    _run("ip", "netns", "del", link.netns, check=False)
+    _batch(None, [f"link del {link.host_if}", f"netns del {link.netns}"], check=False)
     forget_sockets(link)
     forget_connections(link)
 

@@ -89,12 +89,13 @@ def test_slot_claims_record_their_owner(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("conntrack") is None, reason="needs root and conntrack")
 def test_a_slots_link_forgets_its_last_sandboxs_connections() -> None:
-    """Connection-tracking entries outlive a sandbox (an ESTABLISHED one for five days); a slot's link drops its
-    own, and only its own."""
+    """Connection-tracking entries outlive a sandbox (an ESTABLISHED one for five days); destroying a slot's link
+    drops its own, and only its own, so the slot's next sandbox inherits none."""
     slot = next(n for n in range(network.MAX_SLOTS - 1, 1, -1) if network.claim_slot(n))
     link = network.link_for(slot)
     other = network.link_for(slot - 1)
     try:
+        network.create(link)
         entries = []
         for lk, port in ((link, 40123), (other, 40124)):
             entry = ["-p", "tcp", "-s", lk.host_ip, "-d", lk.sandbox_ip, "--sport", str(port), "--dport", "49983"]
@@ -106,13 +107,49 @@ def test_a_slots_link_forgets_its_last_sandboxs_connections() -> None:
             return subprocess.run(["conntrack", "-L", *entry], capture_output=True, text=True).stdout.strip() != ""
 
         assert tracked(entries[0]) and tracked(entries[1])
-        network.create(link)
+        network.destroy(link)
+        assert not network.leftover(link)
         assert not tracked(entries[0])  # this slot's: gone
         assert tracked(entries[1])  # another slot's: left alone
     finally:
         network.destroy(link)
         network.release_slot(slot)
         subprocess.run(["conntrack", "-D", "-s", other.host_ip, "-d", other.sandbox_ip], capture_output=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.parametrize("left", ["nothing", "namespace", "veth", "whole link"])
+def test_a_slots_link_is_made_whatever_its_last_one_left(left: str) -> None:
+    """A slot's link is made in two `ip -batch` runs; what a half-made or undestroyed link left is destroyed first.
+    The result is the same every time: the sandbox's end is eth0 in the namespace with the slot's address and a
+    default route through the host's end, which is up with the host's address."""
+    slot = next(n for n in range(network.MAX_SLOTS - 1, 1, -1) if network.claim_slot(n))
+    link = network.link_for(slot)
+
+    def ip(*args: str) -> str:
+        return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
+
+    try:
+        if left == "namespace":
+            ip("netns", "add", link.netns)
+        elif left == "veth":
+            ip("link", "add", link.host_if, "type", "veth", "peer", "name", f"ksp{slot}")
+        elif left == "whole link":
+            network.create(link)
+        assert network.leftover(link) == (left != "nothing")
+        network.create(link)
+        assert f"inet {link.host_ip}/30" in ip("-4", "addr", "show", "dev", link.host_if)
+        assert "state UP" in ip("link", "show", link.host_if) or "LOWER_UP" in ip("link", "show", link.host_if)
+        inside = ip("-n", link.netns, "-4", "addr", "show", "dev", "eth0")
+        assert f"inet {link.sandbox_ip}/30" in inside
+        assert f"default via {link.host_ip} dev eth0" in ip("-n", link.netns, "route")
+        assert "UP" in ip("-n", link.netns, "link", "show", "lo")
+        network.destroy(link)
+        assert not network.leftover(link)
+        assert f"ksp{slot}" not in ip("link")
+    finally:
+        network.destroy(link)
+        network.release_slot(slot)
 
 
 def test_a_bare_claim_is_held_while_its_claimer_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
