@@ -376,8 +376,8 @@ class GVisorRuntime:
     def _unpin(self, name: str) -> None:
         """Every CPU again for the restored sandbox's threads (its sentry's, its stubs', its gofer's)."""
         folders = cgroups.paths(CGROUP_PARENT, name)
-        affinity.unpin(lambda: cgroups.pids(folders) | affinity.threads(remains.container_pids(self.root, name)),
-                       self.cpus.all)
+        daemons = remains.container_pids(self.root, name)  # its sandbox and gofer: fixed once it runs
+        affinity.unpin(lambda: cgroups.pids(folders) | affinity.threads(daemons), self.cpus.all)
 
     def idle_freeze(self, handle: Handle) -> None:
         if not cgroups.freeze(handle.name):

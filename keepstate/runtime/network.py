@@ -143,8 +143,8 @@ def release_slot(slot: int) -> None:
         pass
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(args), capture_output=True, text=True)
+def _run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), input=stdin, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise OSError(f"{' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
@@ -153,11 +153,8 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def _batch(netns: str | None, lines: list[str], check: bool = True) -> None:
     """Run `ip` commands in one process, in `netns` if given; with check=False every line is tried (-force) and
     failures (what is already gone) are ignored."""
-    args = ["ip", *(["-n", netns] if netns else []), *([] if check else ["-force"]), "-batch", "-"]
-    proc = subprocess.run(args, input="\n".join(lines) + "\n", capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise OSError(f"ip {'-n ' + netns + ' ' if netns else ''}-batch ({'; '.join(lines)}) failed: "
-                      f"{proc.stderr.strip() or proc.stdout.strip()}")
+    _run("ip", *(["-n", netns] if netns else []), *([] if check else ["-force"]), "-batch", "-", check=check,
+         stdin="\n".join(lines) + "\n")
 
 
 def forget_connections(link: Link) -> None:
@@ -193,20 +190,8 @@ def create(link: Link) -> None:
         f"addr add {link.host_ip}/30 dev {link.host_if}",
         f"link set {link.host_if} up",
     ])
-    _batch(link.netns, ["link set lo up", "link set eth0 up", *_start_lines(link)])
-
-
-def _start_lines(link: Link) -> list[str]:
-    return [f"addr replace {link.sandbox_ip}/30 dev eth0", f"route replace default via {link.host_ip} dev eth0"]
-
-
-def prepare_for_start(link: Link) -> None:
-    """Put the sandbox address back on eth0 before every run or restore.
-
-    runsc moves the interface's addresses into its own netstack, so after a sandbox
-    stopped the namespace has none left.
-    """
-    _batch(link.netns, _start_lines(link))
+    _batch(link.netns, ["link set lo up", "link set eth0 up", f"addr replace {link.sandbox_ip}/30 dev eth0",
+                        f"route replace default via {link.host_ip} dev eth0"])
 
 
 def leftover(link: Link) -> bool:
