@@ -26,11 +26,12 @@ def cpus() -> int:
 
 
 def default_max_starts(cpu_count: int | None = None) -> int:
-    return max(4, 2 * (cpu_count or cpus()))
+    # One start per CPU: a restore is CPU-bound kernel work (docs/design/admission.md, "Defaults").
+    return max(2, cpu_count or cpus())
 
 
 def default_start_queue(max_starts: int) -> int:
-    return 4 * max_starts
+    return 8 * max_starts
 
 
 def mem_total() -> int:

@@ -64,10 +64,10 @@ if TYPE_CHECKING:
                    "Templates with services, and sandboxes with volumes, always boot.")
 @click.option("--max-starts", type=click.IntRange(min=1), default=None,
               help="Sandbox starts (cold starts, restores: create, pool refill, resume, fork, snapshot-create) run "
-                   "at once; more wait in line. Default max(4, 2 x CPUs). docs/design/admission.md")
+                   "at once; more wait in line. Default max(2, CPUs). docs/design/admission.md")
 @click.option("--start-queue", type=click.IntRange(min=0), default=None,
               help="Starts that may wait for one of those, first come first served; one more is refused with 503 "
-                   "and Retry-After. Default 4 x --max-starts.")
+                   "and Retry-After. Default 8 x --max-starts.")
 @click.option("--start-wait", type=click.FloatRange(min=0), default=START_WAIT_SECONDS, show_default=True,
               help="Seconds a start waits in line before it is refused (503, Retry-After).")
 @click.option("--max-sandboxes", type=click.IntRange(min=0), default=None,

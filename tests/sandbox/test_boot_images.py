@@ -5,7 +5,9 @@ the sandbox boots. On the fake runtime (counting its creates and restores) and o
 from __future__ import annotations
 
 import asyncio
+import os
 
+from keepstate.runtime import cgroups
 from keepstate.testing import FakeRuntime
 
 from .conftest import Served, serving
@@ -120,6 +122,19 @@ async def test_restored_gvisor_sandboxes_are_each_its_own() -> None:
         for i, (sid, token) in enumerate(made):
             assert await read_file(s, sid, token, "/home/user/who") == f"sandbox {i}".encode()
         assert len({s.manager.records[sid].address for sid, _ in made}) == 3
+        # A restore runs pinned to one CPU (runtime/affinity.py); once it runs, every thread of it has them all.
+        every = os.sched_getaffinity(0)
+        for sid, _ in made[1:]:
+            folders = cgroups.paths(cgroups.CGROUP_PARENT, s.manager.records[sid].runtime_name)
+            tids = cgroups.pids(folders)
+            assert len(tids) > 5, (sid, folders, tids)
+            masks = {}
+            for tid in tids:
+                try:
+                    masks[tid] = os.sched_getaffinity(tid)
+                except ProcessLookupError:  # a thread that ended since
+                    continue
+            assert masks and all(m == every for m in masks.values()), (every, masks)
         async with s.http.get(f"{s.url}/files", params={"path": "/home/user/who", "username": "user"},
                               headers={"E2b-Sandbox-Id": made[1][0], "X-Access-Token": made[2][1]}) as r:
             assert r.status == 401
