@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -39,7 +42,23 @@ async def until(predicate: Callable[[], T], what: str) -> T:
 
 
 async def bounded(call: Awaitable[T]) -> T:
-    return await asyncio.wait_for(call, BOUND)
+    try:
+        return await asyncio.wait_for(call, BOUND)
+    except TimeoutError:
+        dump_stacks(f"a call still unanswered after {BOUND} s")
+        raise
+
+
+def dump_stacks(why: str) -> None:
+    """Every task's and every thread's stack, to stderr (the failure report shows it): where a hang waits."""
+    print(f"== {why}: the stacks of every task and thread", file=sys.stderr)
+    for task in asyncio.all_tasks():
+        print(f"-- {task!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        print(f"-- thread {names.get(ident, ident)}", file=sys.stderr)
+        print("".join(traceback.format_stack(frame, limit=12)), file=sys.stderr)
 
 
 async def create(s: Served) -> tuple[str, str]:
