@@ -25,6 +25,7 @@ import base64
 import fcntl
 import json
 import os
+import socketserver
 import tempfile
 import threading
 import time
@@ -138,6 +139,12 @@ class _Server(ThreadingHTTPServer):
         self.connections = 0
         self._count = threading.Lock()
         super().__init__((address, AGENT_PORT), _Handler)
+
+    def server_bind(self) -> None:
+        # http.server's own asks socket.getfqdn() for the address: a reverse DNS query of 127.N.x.y to the host's
+        # resolver, which inside the tests' isolated namespace nobody answers (5-10 s per instance start).
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that went away (a cut connection) is normal here; real agents say nothing either
