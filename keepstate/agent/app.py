@@ -63,12 +63,14 @@ class AgentApp:
         if self._rpc is None:
             from keepstate.agent.filesystem_service import FilesystemService
             from keepstate.agent.process import SETPRIV, ProcessTable, setpriv
-            from keepstate.agent.process_service import ProcessService
+            from keepstate.agent.process_service import ProcessService, command_defaults
             from keepstate.agent.proto.filesystem.filesystem_connect import FilesystemASGIApplication
             from keepstate.agent.proto.process.process_connect import ProcessASGIApplication
             from keepstate.agent.spare import Spares
 
-            self._process_table = ProcessTable(journal=self.journal, spares=Spares(setpriv() or [SETPRIV]))
+            settings = self.settings
+            spares = Spares(setpriv() or [SETPRIV], defaults=lambda user: command_defaults(settings, user))
+            self._process_table = ProcessTable(journal=self.journal, spares=spares)
             self._filesystem = FilesystemService(self.settings, self.journal)
             process_app = ProcessASGIApplication(ProcessService(self.settings, self._process_table))
             fs_app = FilesystemASGIApplication(self._filesystem)

@@ -15,6 +15,8 @@ import posixpath
 import stat
 from dataclasses import dataclass
 
+from keepstate.agent.users import group_list
+
 R, W, X = 4, 2, 1
 
 
@@ -37,7 +39,7 @@ class Identity:
 
 def identity(name: str, uid: int, gid: int) -> Identity:
     try:
-        gids = frozenset(os.getgrouplist(name, gid))
+        gids = frozenset(group_list(name, gid))
     except OSError:
         gids = frozenset({gid})
     return Identity(name, uid, gids)

@@ -26,8 +26,8 @@ from keepstate.agent.journal import Journal
 from keepstate.agent.own_tools import IMAGE_SETPRIV, setpriv_command
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
-from keepstate.agent.spare import Spares
-from keepstate.agent.users import User
+from keepstate.agent.spare import Spares, login_command
+from keepstate.agent.users import User, group_list
 
 RETAIN_EXITED_S = 30.0
 # After the child exits, wait this long for its pipes to reach EOF: a background grandchild that inherited
@@ -153,7 +153,7 @@ class _PopenCommon(TypedDict):
 def _identity_kwargs(user: User) -> PopenIdentity:
     if os.geteuid() != 0 or user.uid == os.geteuid():
         return {}  # unprivileged (dev runs) we can only run as ourselves; as ourselves, nothing to change
-    return {"user": user.uid, "group": user.gid, "extra_groups": os.getgrouplist(user.name, user.gid)}
+    return {"user": user.uid, "group": user.gid, "extra_groups": group_list(user.name, user.gid)}
 
 
 SETPRIV = IMAGE_SETPRIV  # the image's; the agent prefers the runtime's (own_tools.setpriv_command)
@@ -206,7 +206,7 @@ def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[l
     command = setpriv()
     if not identity or command is None:
         return argv, identity
-    groups = ",".join(str(g) for g in os.getgrouplist(user.name, user.gid))
+    groups = ",".join(str(g) for g in group_list(user.name, user.gid))
     program = _resolve_program(argv[0], env)
     return [*command, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--", program,
             *argv[1:]], {}
@@ -268,14 +268,26 @@ class ManagedProcess:
         return popen
 
     def _from_spare(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
-        """The command started by the user's spare (spare.py): what `setpriv` would have started, one exec
-        sooner. None when there is no usable spare (root, no setpriv, a stale or dead one): the usual path."""
+        """The command started by one of the user's spares (spare.py): the login spare for the SDK's
+        `bash -l -c CMD` with the default environment and directory (no exec at all), else the generic spare (what
+        `setpriv` would have started, one exec sooner). None when there is no usable spare (root, no setpriv, a
+        stale or dead one): the usual path."""
         spec = self.spec
         if self._spares is None or os.geteuid() != 0 or spec.user.uid == 0 or not _has_setpriv():
             return None
         program = _resolve_program(argv[0], spec.env)  # as pipe_spawn_argv: an unknown program is an error
         self._refill = True
-        spare = self._spares.take(spec.user)
+        cmd = login_command(argv, spec.stdin)
+        login = self._spares.take_login(spec.user, spec.env, spec.cwd) if cmd is not None else None
+        if login is not None and cmd is not None:
+            try:
+                login.run(cmd, spec.env)
+            except OSError:
+                login.discard()
+            else:
+                return login.popen
+        wanted = cmd is None or not self._spares.takes_default(spec.user, spec.env, spec.cwd)
+        spare = self._spares.take(spec.user, wanted=wanted)
         if spare is None:
             return None
         try:

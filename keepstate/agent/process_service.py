@@ -52,12 +52,22 @@ from keepstate.agent.rpc_context import (
     request_user,
 )
 from keepstate.agent.settings import SandboxSettings
-from keepstate.agent.users import process_env
+from keepstate.agent.users import User, process_env, resolve_path
 
 # An agent told to listen for sudo elsewhere (host-mode tests) tells the sudo clients it starts, too.
 _SUDO_ENV = {k: v for k in ("KEEPSTATE_SUDO_SOCKET",) if (v := os.environ.get(k))}
 _CODES = {"not_found": Code.NOT_FOUND, "invalid_argument": Code.INVALID_ARGUMENT, "internal": Code.INTERNAL}
 _SIGNALS = {Signal.SIGKILL: signal.SIGKILL, Signal.SIGTERM: signal.SIGTERM}
+
+
+def command_env(settings: SandboxSettings, user: User, request_env: dict[str, str]) -> dict[str, str]:
+    """A command's environment: the user's, the sandbox's, then the request's."""
+    return process_env(user, {**_SUDO_ENV, **settings.env_vars}, request_env)
+
+
+def command_defaults(settings: SandboxSettings, user: User) -> tuple[dict[str, str], str]:
+    """The environment and working directory of a command that names neither (what a login spare is made for)."""
+    return command_env(settings, user, {}), resolve_path("", user, settings.default_workdir)
 
 
 def _connect_error(e: ProcessError) -> ConnectError:
@@ -139,7 +149,7 @@ class ProcessService(Process):
         spec = SpawnSpec(
             cmd=config.cmd,
             args=list(config.args),
-            env=process_env(user, {**_SUDO_ENV, **self._settings.env_vars}, dict(config.envs)),
+            env=command_env(self._settings, user, dict(config.envs)),
             cwd=cwd,
             user=user,
             # Older SDKs never send `stdin` and expect a pipe: absent means true.

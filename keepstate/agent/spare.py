@@ -2,33 +2,42 @@
 
 Under gVisor (systrap) every exec costs 10-20 ms, and running a command as another user costs one more: the agent
 (root) cannot change identity after a vfork, so it runs `setpriv ... -- bash -l -c CMD` (process.pipe_spawn_argv),
-two execs on the command's path. A spare does the first of them before the command arrives: it is
-`setpriv --reuid --regid --groups -- perl -e STUB`, started with the agent's usual Popen arguments (new
-session, umask 022, stdin/stdout/stderr pipes to the agent), and its stub blocks reading a control pipe. When a
-command comes, the agent writes the command's argv, environment, working directory and whether it has stdin; the
-stub sets that up and execs it. What runs is then the process `setpriv` would have started, in every respect the
-command can see: the same pid as the Popen child (the agent's own child, reaped as before), session, ids and
-groups, umask, environment (execve'd exactly, nothing of the stub's), cwd, fds 0-2 only, default SIGPIPE/SIGXFSZ.
-Only the exec of the command itself is left on the command's path.
+two execs on the command's path. Spares take them off it; there are two kinds (docs/design/command-path.md):
 
-One spare per user, made after /init and again once the sandbox has been idle for IDLE_S after a command: making
-one costs ~45 ms of the sandbox's CPU (setpriv, then perl), more than it saves, so a spare made while commands
-follow each other back to back would slow the next of them down (measured: every command ~30 ms slower). Agents
-think between commands; back-to-back commands take the usual path. A spare whose identity no longer matches the
-user's (a group was added since) is thrown away, never used. PTY processes do not use spares.
+* A **login spare** is the login shell itself: `setpriv ... -- /bin/bash -l -c LOGIN_STUB`, started with exactly
+  what the SDK's usual command gets (the default environment and working directory, stdin on /dev/null, stdout and
+  stderr pipes to the agent, new session, umask 022). bash runs the login scripts, then the stub blocks reading
+  the command string from a pipe. A `bash -l -c CMD` request with that same environment and directory (what
+  `commands.run(cmd)` sends) is written to it and the stub evals it: no exec at all on the command's path. What
+  the command sees is what `bash -l -c CMD` gives it: $0, $-, $_, $BASH_EXECUTION_STRING, $SECONDS, LINENO, the
+  variables, functions and fds (the stub's are gone), pid, ids, session (tests/agent/test_spare.py compares them
+  byte for byte). A command that does not parse is not evaluated by the stub: it execs `bash -l -c CMD` afresh, so
+  bash's own syntax error is printed, word for word. What differs is written down in command-path.md
+  (/proc/PID/cmdline shows the stub; the login scripts ran before the command came).
+  A login spare is used only while its user's ids, its environment and directory, and the login scripts it read
+  (their inode, size and times) are unchanged; otherwise it is thrown away and made again.
+* A **generic spare** is `setpriv ... -- perl -e STUB`: for any other command, it receives argv, environment, cwd
+  and whether there is stdin, sets them up and execs the command (the same process setpriv would have started).
+
+Spares are made after /init (a login spare) and once the sandbox has been idle for IDLE_S after a command (the
+login spare, and the generic one once a command of that user could not use the login spare): making one costs
+~35-45 ms of the sandbox's CPU, so spares made while commands follow each other back to back would slow the next of
+them down (measured: every command ~30 ms slower). PTY processes and root's commands do not use spares.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
+import secrets
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from keepstate.agent.users import User
+from keepstate.agent.users import User, group_list
 
-# The stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's (-I -S)
-# ~55 ms. Core builtins only (no `use`). It names itself `keepstate-spare` in `ps`.
+# The generic stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's
+# (-I -S) ~55 ms. Core builtins only (no `use`). It names itself `keepstate-spare` in `ps`.
 STUB = r"""
 $0 = "keepstate-spare";
 open(my $c, "<&=", $ARGV[0]) or exit 0;
@@ -50,7 +59,28 @@ print STDERR "setpriv: failed to execute $argv[0]: $!\n";
 exit $code;
 """
 PERL = "/usr/bin/perl"
-IDLE_S = 0.25  # after a command's end with no other command started since: make the next spare
+BASH, ENV = "/bin/bash", "/usr/bin/env"
+
+# The login stub, one line so that the command's line numbers are bash -c's. In order: keep $_ (what the login
+# scripts left, as bash -c CMD sees it); read a seed for RANDOM, then the command, each NUL-terminated (the
+# command into BASH_EXECUTION_STRING, where bash -c keeps it); parse the command as a function body, evaluating
+# nothing: if it does not parse, read the environment the agent sent after it and exec `bash -l -c CMD` with
+# exactly that environment, so that bash reports the error itself; else close the pipe, drop the probe function,
+# restart SECONDS, seed RANDOM (a fork of the sandbox copies a waiting spare; $SRANDOM would show in `declare -p`),
+# put $_ back and unset the stub's variables in an eval of their own, then evaluate the command.
+LOGIN_STUB = (
+    "__ks_=$_; read -r -d '' -u FD __ks_r && IFS= read -r -d '' -u FD BASH_EXECUTION_STRING || exit 0; "
+    "if ! { eval \"__ks_f() { $BASH_EXECUTION_STRING\"$'\\n}'; } 2>/dev/null; then __ks_e=(); "
+    "while IFS= read -r -d '' -u FD __ks_v; do __ks_e+=(\"$__ks_v\"); done; "
+    "exec " + ENV + " -i \"${__ks_e[@]}\" " + BASH + " -l -c \"$BASH_EXECUTION_STRING\" FD<&-; fi; "
+    "exec FD<&-; unset -f __ks_f; SECONDS=0; "
+    "RANDOM=$__ks_r; "
+    "printf -v __ks_ %q \"$__ks_\"; eval \"unset __ks_ __ks_r; : $__ks_; eval \\\"\\$BASH_EXECUTION_STRING\\\"\""
+)
+LOGIN_MAX = 16384  # bash reads a pipe a byte at a time: a longer command takes the generic path
+IDLE_S = 0.25  # after a command's end with no other command started since: make the next spares
+
+Defaults = Callable[[User], tuple[dict[str, str], str]]  # a user's default command environment and directory
 
 
 def _argv(setpriv: str | Sequence[str]) -> list[str]:
@@ -58,7 +88,32 @@ def _argv(setpriv: str | Sequence[str]) -> list[str]:
 
 
 def identity_of(user: User) -> tuple[int, int, tuple[int, ...]]:
-    return user.uid, user.gid, tuple(os.getgrouplist(user.name, user.gid))
+    return user.uid, user.gid, tuple(group_list(user.name, user.gid))
+
+
+def _setpriv_args(user: User) -> list[str]:
+    uid, gid, groups = identity_of(user)
+    return [f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--"]
+
+
+def login_scripts(user: User) -> tuple[str, ...]:
+    """The files a login bash reads (Debian's chain). A file added to /etc/profile.d changes the directory's times."""
+    home = user.home.rstrip("/")
+    return ("/etc/profile", "/etc/bash.bashrc", "/etc/profile.d", *sorted(glob.glob("/etc/profile.d/*.sh")),
+            *(f"{home}/{name}" for name in (".bash_profile", ".bash_login", ".profile", ".bashrc")))
+
+
+def files_state(paths: tuple[str, ...]) -> tuple[tuple[int, int, int, int] | None, ...]:
+    """Each file's (inode, size, mtime, ctime), None if absent."""
+    state: list[tuple[int, int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            state.append(None)
+        else:
+            state.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(state)
 
 
 def encode(argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> bytes:
@@ -70,22 +125,26 @@ def encode(argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> bytes
     return len(body).to_bytes(8, "big") + body
 
 
-class Spare:
-    """One waiting child; `popen` is the command's Popen once `run` has been called."""
+def encode_login(cmd: str, env: dict[str, str]) -> bytes:
+    fields = [str(secrets.randbits(31)).encode(), os.fsencode(cmd), *(os.fsencode(f"{k}={v}") for k, v in env.items())]
+    if any(b"\0" in f for f in fields):
+        raise ValueError("embedded null byte")
+    return b"".join(f + b"\0" for f in fields)
 
-    def __init__(self, setpriv: str | Sequence[str], user: User) -> None:
-        self.identity = identity_of(user)
-        uid, gid, groups = self.identity
-        read_end, self._ctl = os.pipe()
+
+class _Waiting:
+    """A child started with a control pipe's read end; `popen` is the command's Popen once `run` was called."""
+
+    def __init__(self, argv: list[str], read_end: int, ctl: int, *, stdin: int, cwd: str,
+                 env: dict[str, str]) -> None:
+        self._ctl = ctl
         try:
             self.popen = subprocess.Popen(  # noqa: S603 - our own stub, as the user
-                [*_argv(setpriv), f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--",
-                 PERL, "-e", STUB, str(read_end)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,),
-                cwd="/", env={}, umask=0o022, start_new_session=True, close_fds=True,
+                argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,),
+                cwd=cwd, env=env, umask=0o022, start_new_session=True, close_fds=True,
             )
         except BaseException:
-            os.close(self._ctl)
+            os.close(ctl)
             raise
         finally:
             os.close(read_end)
@@ -93,21 +152,21 @@ class Spare:
     def alive(self) -> bool:
         return self.popen.poll() is None  # before anyone watches it: a dead spare is reaped here, and dropped
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> None:
-        """Become the command. Raises OSError if the spare is gone (the caller discards it)."""
-        data = encode(argv, env, cwd, stdin)
+    def _send(self, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:  # the pipe holds 64 KiB; a larger request blocks only until the stub reads
                 view = view[os.write(self._ctl, view):]
         finally:
-            os.close(self._ctl)
-        if not stdin and self.popen.stdin is not None:
-            self.popen.stdin.close()
-            self.popen.stdin = None
+            self._close_ctl()
+
+    def _close_ctl(self) -> None:
+        if self._ctl >= 0:
+            os.close(self._ctl)  # the stub reads EOF (and exits, if it was waiting)
+            self._ctl = -1
 
     def discard(self) -> None:
-        os.close(self._ctl)  # the stub reads EOF and exits
+        self._close_ctl()
         for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if f is not None:
                 f.close()
@@ -118,39 +177,131 @@ class Spare:
             self.popen.wait()
 
 
-class Spares:
-    """At most one spare per user, refilled when taken."""
+class Spare(_Waiting):
+    """A generic spare: any program, environment, directory and stdin."""
 
-    def __init__(self, setpriv: str | Sequence[str]) -> None:
-        """`setpriv`: its path, or the argv prefix that runs it (the agent runtime's, through its loader)."""
+    def __init__(self, setpriv: str | Sequence[str], user: User) -> None:
+        self.identity = identity_of(user)
+        read_end, ctl = os.pipe()
+        super().__init__([*_argv(setpriv), *_setpriv_args(user), PERL, "-e", STUB, str(read_end)], read_end, ctl,
+                         stdin=subprocess.PIPE, cwd="/", env={})
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> None:
+        """Become the command. Raises OSError if the spare is gone (the caller discards it)."""
+        self._send(encode(argv, env, cwd, stdin))
+        if not stdin and self.popen.stdin is not None:
+            self.popen.stdin.close()
+            self.popen.stdin = None
+
+
+class LoginSpare(_Waiting):
+    """A login bash that has run its login scripts with `env` in `cwd`, waiting for a `bash -l -c` command."""
+
+    def __init__(self, setpriv: str | Sequence[str], user: User, env: dict[str, str], cwd: str) -> None:
+        self.identity, self.env, self.cwd = identity_of(user), dict(env), cwd
+        self.scripts = login_scripts(user)
+        self.scripts_state = files_state(self.scripts)
+        read_end, ctl = os.pipe()
+        super().__init__([*_argv(setpriv), *_setpriv_args(user), BASH, "-l", "-c",
+                          LOGIN_STUB.replace("FD", str(read_end))], read_end, ctl,
+                         stdin=subprocess.DEVNULL, cwd=cwd, env=env)
+
+    def fits(self, user: User, env: dict[str, str], cwd: str) -> bool:
+        return (env == self.env and cwd == self.cwd and self.identity == identity_of(user)
+                and self.scripts_state == files_state(self.scripts) and self.alive())
+
+    def run(self, cmd: str, env: dict[str, str]) -> None:
+        """Become `bash -l -c cmd`. Raises OSError if the spare is gone (the caller discards it)."""
+        self._send(encode_login(cmd, env))
+
+
+def login_command(argv: list[str], stdin: bool) -> str | None:
+    """The command string of a request a login spare can run (the SDK's `/bin/bash -l -c CMD`, no stdin)."""
+    if stdin or len(argv) != 4 or argv[:3] != [BASH, "-l", "-c"]:
+        return None
+    cmd = argv[3]
+    return cmd if len(cmd) <= LOGIN_MAX and "\0" not in cmd else None
+
+
+class Spares:
+    """Per user at most one login spare and one generic spare, made again once the sandbox is idle."""
+
+    def __init__(self, setpriv: str | Sequence[str], defaults: Defaults | None = None) -> None:
+        """`setpriv`: its path, or the argv prefix that runs it (the agent runtime's, through its loader).
+        `defaults`: a user's default environment and directory (no login spares without it)."""
         self._setpriv = _argv(setpriv)
+        self._defaults = defaults
         self._by_uid: dict[int, Spare] = {}
+        self._login: dict[int, LoginSpare] = {}
+        self._generic_wanted: set[int] = set()  # users who ran a command a login spare could not run
         self._timer: asyncio.TimerHandle | None = None
 
+    def _can(self, user: User, *programs: str) -> bool:
+        return user.uid != 0 and os.geteuid() == 0 and all(
+            os.access(p, os.X_OK) for p in (self._setpriv[0], self._setpriv[-1], *programs))
+
     def prime(self, user: User) -> None:
-        """Have a spare ready for `user` (root needs none: the agent starts its commands without an identity
-        change)."""
-        if user.uid == 0 or user.uid in self._by_uid or os.geteuid() != 0 or not all(
-                os.access(p, os.X_OK) for p in (self._setpriv[0], self._setpriv[-1], PERL)):
+        """Have a login spare ready for `user`, and a generic one if that user has wanted one (root needs none:
+        the agent starts its commands without an identity change)."""
+        self._prime_login(user)
+        if user.uid in self._generic_wanted and user.uid not in self._by_uid and self._can(user, PERL):
+            try:
+                self._by_uid[user.uid] = Spare(self._setpriv, user)
+            except OSError:
+                pass  # no spare: commands take the usual path
+
+    def _prime_login(self, user: User) -> None:
+        if self._defaults is None or not self._can(user, BASH, ENV):
+            return
+        env, cwd = self._defaults(user)
+        old = self._login.get(user.uid)
+        if old is not None:
+            if old.fits(user, env, cwd):
+                return
+            del self._login[user.uid]
+            old.discard()
+        if not os.path.isdir(cwd):
             return
         try:
-            self._by_uid[user.uid] = Spare(self._setpriv, user)
+            self._login[user.uid] = LoginSpare(self._setpriv, user, env, cwd)
         except OSError:
-            pass  # no spare: commands take the usual path
+            pass
 
     def prime_when_idle(self, user: User) -> None:
         """`prime(user)` once IDLE_S pass without a command starting."""
-        if self._timer is not None:
-            self._timer.cancel()
+        self._cancel_timer()
         self._timer = asyncio.get_running_loop().call_later(IDLE_S, self.prime, user)
 
-    def pids(self) -> set[int]:
-        return {spare.popen.pid for spare in self._by_uid.values()}
-
-    def take(self, user: User) -> Spare | None:
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def pids(self) -> set[int]:
+        return {spare.popen.pid for spare in (*self._by_uid.values(), *self._login.values())}
+
+    def take_login(self, user: User, env: dict[str, str], cwd: str) -> LoginSpare | None:
+        """The user's login spare if it was made for exactly this environment and directory and is still good."""
+        self._cancel_timer()
+        spare = self._login.get(user.uid)
+        if spare is None or env != spare.env or cwd != spare.cwd:
+            return None  # kept: the next default command may use it
+        del self._login[user.uid]
+        if not spare.fits(user, env, cwd):
+            spare.discard()
+            return None
+        return spare
+
+    def takes_default(self, user: User, env: dict[str, str], cwd: str) -> bool:
+        """Whether a command with this environment and directory is one a login spare is made for."""
+        return self._defaults is not None and self._defaults(user) == (env, cwd)
+
+    def take(self, user: User, *, wanted: bool = True) -> Spare | None:
+        """The user's generic spare. `wanted`: a login spare could not have run this command, so have a generic
+        spare made for this user from now on."""
+        self._cancel_timer()
+        if wanted:
+            self._generic_wanted.add(user.uid)
         spare = self._by_uid.pop(user.uid, None)
         if spare is None:
             return None
@@ -160,8 +311,8 @@ class Spares:
         return spare
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        for spare in self._by_uid.values():
+        self._cancel_timer()
+        for spare in (*self._by_uid.values(), *self._login.values()):
             spare.discard()
         self._by_uid.clear()
+        self._login.clear()

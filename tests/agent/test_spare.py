@@ -1,16 +1,23 @@
-"""Spare processes (agent/spare.py): a command started by a spare sees what it would see started through setpriv."""
+"""Spare processes (agent/spare.py): a command started by a spare sees what it would see started through setpriv:
+the generic spare's exec'd program, and the login spare's `bash -l -c CMD`, evaluated by a login shell that was
+waiting for it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 
 import pytest
 
-from keepstate.agent.process import SETPRIV, pipe_spawn_argv
-from keepstate.agent.spare import PERL, Spare, Spares
-from keepstate.agent.users import lookup_user, process_env
+from keepstate.agent.process import SETPRIV, ProcessTable, SpawnSpec, pipe_spawn_argv
+from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent
+from keepstate.agent.spare import PERL, LoginSpare, Spare, Spares, login_command
+from keepstate.agent.users import User, lookup_user, process_env
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(os.access(p, os.X_OK) for p in (SETPRIV, PERL)),
@@ -61,6 +68,9 @@ def test_stale_or_dead_spares_are_not_used() -> None:
         user = lookup_user("nobody")
         spares = Spares(SETPRIV)
         spares.prime(user)
+        assert spares.pids() == set()  # a generic spare is made for users whose commands wanted one
+        assert spares.take(user) is None
+        spares.prime(user)
         spare = spares._by_uid[user.uid]  # noqa: SLF001
         spare.popen.kill()
         spare.popen.wait()
@@ -72,5 +82,171 @@ def test_stale_or_dead_spares_are_not_used() -> None:
         spares.prime(lookup_user("root"))  # root needs none
         assert spares.take(lookup_user("root")) is None
         spares.close()
+
+    asyncio.run(go())
+
+
+# --- login spares ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def home_user() -> Iterator[User]:
+    """`nobody` with a home of its own (login scripts to read and change), readable by nobody."""
+    home = tempfile.mkdtemp(prefix="keepstate-spare-home-")
+    os.chmod(home, 0o755)
+    with open(os.path.join(home, ".profile"), "w") as f:
+        f.write('export FROM_PROFILE="one"\nlast_profile_word=done\n: profile-end\n')  # leaves $_
+    nobody = lookup_user("nobody")
+    yield User(nobody.name, nobody.uid, nobody.gid, home, nobody.shell)
+    shutil.rmtree(home)
+
+
+def _env(user: User) -> dict[str, str]:
+    return process_env(user, {"A": "b c", "EMPTY": "", "EQ": "x=y"}, {"LANG": "C.UTF-8"})
+
+
+def _bash_l_c(user: User, cmd: str) -> tuple[bytes, bytes, int]:
+    """What the usual path runs for the SDK's commands.run(cmd)."""
+    argv, identity = pipe_spawn_argv(["/bin/bash", "-l", "-c", cmd], user, _env(user))
+    p = subprocess.Popen(argv, **identity, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # noqa: S603
+                         stderr=subprocess.PIPE, cwd=user.home, env=_env(user), umask=0o022, start_new_session=True,
+                         close_fds=True)
+    out, err = p.communicate(timeout=30)
+    return out, err, p.returncode
+
+
+def _login_spare(user: User, cmd: str, wait: float = 0.0) -> tuple[bytes, bytes, int]:
+    spare = LoginSpare(SETPRIV, user, _env(user), user.home)
+    time.sleep(wait)  # the spare waits, as it does for an agent that thinks between commands
+    spare.run(cmd, _env(user))
+    out, err = spare.popen.communicate(timeout=30)
+    return out, err, spare.popen.returncode
+
+
+# Everything a command can see of its shell: $_ (what the login scripts left), $0, $-, $#, $SECONDS (the spare
+# waited over a second), ids, capabilities, signals, umask, cwd, environment, every variable (RANDOM's seed and the
+# pids excepted), functions, options, traps, fds, session; then stdin (/dev/null) and $0 again.
+PROBE_LOGIN = (
+    "echo \"[$_][$0][$-][$#][$SECONDS][$LINENO][$BASH_EXECUTION_STRING]\"; id; "
+    "grep -E '^(Uid|Gid|Groups|CapPrm|CapEff|SigIgn|SigBlk|SigCgt):' /proc/self/status; umask; pwd; env | sort; "
+    "declare -p | grep -v -e '^declare -i RANDOM' -e '^declare -ir PPID=' -e BASHPID -e '^declare -- _='; "
+    "declare -f; shopt; set -o; trap -p; ls /proc/$$/fd; "
+    "ps -o sid=,pgid= -p $$ | awk -v p=$$ '{print ($1==p) ($2==p)}'; "
+    "cat; echo \"[$0]\""
+)
+
+
+@pytest.mark.parametrize("cmd", [
+    PROBE_LOGIN,
+    "nosuch-command",  # bash's own messages, with bash -c's line numbers
+    "echo a\necho $LINENO\nnosuch\n( echo $LINENO; f() { echo $LINENO; caller; }; f )",
+    "echo a; )",  # a syntax error: bash -l -c is exec'd, so the message is word for word bash -c's
+    "echo a\nif",  # the first line runs, then the syntax error
+    "shopt -s extglob\necho @(a|b)",  # parses only once the first line has run
+    "cat <<EOF\nhere",  # a here-document to the end
+    "",
+    "# only a comment",
+    "exit 7",
+    "trap 'echo trapped' EXIT; echo x",
+    "exec echo replaced",
+    "echo \"$FROM_PROFILE $last_profile_word\"",  # what the login scripts set
+    "printf '%s\\n' \"$BASH_EXECUTION_STRING\" 'x\\y' é 日本",
+    "kill -9 $$",
+])
+def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str) -> None:
+    theirs = _bash_l_c(home_user, cmd)
+    ours = _login_spare(home_user, cmd, wait=1.1 if cmd is PROBE_LOGIN else 0.0)
+    assert ours == theirs
+    if cmd is PROBE_LOGIN:
+        assert b"uid=65534" in ours[0] and b"FROM_PROFILE=one" in ours[0]
+        assert b"[profile-end][/bin/bash][hBc][0][0][1][" in ours[0]
+
+
+def test_login_spares_seed_random_afresh(home_user: User) -> None:
+    """A fork of a sandbox copies its waiting spare: RANDOM is seeded when the command comes, not at the spare's
+    start (two spares given the same start would otherwise print the same numbers)."""
+    outs = {_login_spare(home_user, "echo $RANDOM $RANDOM $RANDOM")[0] for _ in range(4)}
+    assert len(outs) == 4
+
+
+def test_login_command_is_the_sdks_bash_l_c_without_stdin() -> None:
+    assert login_command(["/bin/bash", "-l", "-c", "ls"], stdin=False) == "ls"
+    assert login_command(["/bin/bash", "-l", "-c", "ls"], stdin=True) is None
+    assert login_command(["/bin/bash", "-c", "ls"], stdin=False) is None
+    assert login_command(["/bin/sh", "-l", "-c", "ls"], stdin=False) is None
+    assert login_command(["/bin/bash", "-l", "-c", "x" * 20000], stdin=False) is None  # bash reads it bytewise
+
+
+def _spec(user: User, cmd: str, env: dict[str, str], cwd: str) -> SpawnSpec:
+    return SpawnSpec(cmd="/bin/bash", args=["-l", "-c", cmd], env=env, cwd=cwd, user=user, stdin=False,
+                     pty_size=None, tag=None, config=ProcessConfig())
+
+
+async def _output(table: ProcessTable, spec: SpawnSpec) -> tuple[int, bytes]:
+    proc = table.start(spec, None)
+    queue = proc.subscribe()
+    out = b""
+    while (event := await asyncio.wait_for(queue.get(), 30)) is not None:
+        if isinstance(event, ProcessEvent) and event.event is not None and event.event.field == "data":
+            out += event.event.value.output.value
+    return proc.pid, out
+
+
+def test_the_agent_runs_default_commands_in_the_login_spare_while_it_is_current(home_user: User) -> None:
+    env, cwd = _env(home_user), home_user.home
+
+    async def go() -> None:
+        spares = Spares(SETPRIV, defaults=lambda user: (env, cwd))
+        table = ProcessTable(spares=spares)
+        try:
+            spares.prime(home_user)
+            login = spares._login[home_user.uid]  # noqa: SLF001
+            assert spares.pids() == {login.popen.pid}  # no generic spare until a command needs one
+            pid, out = await _output(table, _spec(home_user, "echo $$ $FROM_PROFILE", env, cwd))
+            assert (pid, out) == (login.popen.pid, f"{login.popen.pid} one\n".encode())
+
+            # Another environment or directory: not this spare's command, which stays for the next default one.
+            spares.prime(home_user)
+            login = spares._login[home_user.uid]  # noqa: SLF001
+            pid, out = await _output(table, _spec(home_user, "echo $FROM_PROFILE $X", {**env, "X": "x"}, cwd))
+            assert pid != login.popen.pid and out == b"one x\n"
+            pid, _ = await _output(table, _spec(home_user, "pwd", env, "/"))
+            assert pid != login.popen.pid
+            spares.prime(home_user)  # such commands came: a generic spare is made too
+            assert len(spares.pids()) == 2 and spares._login[home_user.uid] is login  # noqa: SLF001
+
+            # The login scripts changed since the spare read them: it is thrown away, the command sees the change.
+            with open(os.path.join(home_user.home, ".profile"), "a") as f:
+                f.write('export FROM_PROFILE="two"\n')
+            pid, out = await _output(table, _spec(home_user, "echo $FROM_PROFILE", env, cwd))
+            assert pid != login.popen.pid and out == b"two\n"
+            assert login.popen.poll() is not None  # discarded, reaped
+
+            # The user's groups changed since: thrown away too.
+            spares.prime(home_user)
+            login = spares._login[home_user.uid]  # noqa: SLF001
+            login.identity = (home_user.uid, home_user.gid, (12345,))
+            pid, _ = await _output(table, _spec(home_user, "true", env, cwd))
+            assert pid != login.popen.pid
+        finally:
+            table.kill_all()
+
+    asyncio.run(go())
+
+
+def test_a_login_spare_made_for_old_defaults_is_replaced(home_user: User) -> None:
+    defaults = {"env": _env(home_user)}
+
+    async def go() -> None:
+        spares = Spares(SETPRIV, defaults=lambda user: (defaults["env"], home_user.home))
+        try:
+            spares.prime(home_user)
+            first = spares._login[home_user.uid]  # noqa: SLF001
+            spares.prime(home_user)
+            assert spares._login[home_user.uid] is first  # still current: kept  # noqa: SLF001
+            defaults["env"] = {**defaults["env"], "NEW": "1"}  # /init changed the sandbox's environment
+            spares.prime(home_user)
+            assert spares._login[home_user.uid] is not first and first.popen.poll() is not None  # noqa: SLF001
+        finally:
+            spares.close()
 
     asyncio.run(go())

@@ -237,3 +237,34 @@ def test_upload_error_mapping() -> None:
     assert _write_error(OSError(errno.EACCES, "Permission denied"), "/x").status == 403
     assert _accepts_gzip("gzip, deflate") and _accepts_gzip("br;q=1, *") and not _accepts_gzip("gzip;q=0")
     assert not _accepts_gzip(None)
+
+
+def test_user_and_group_lookups_are_kept_while_their_files_are_unchanged(tmp_path, monkeypatch) -> None:
+    """users.group_list / lookup_user: ~1 ms each under gVisor, so answers are kept until /etc/group (or passwd,
+    or nsswitch.conf) changes; a changed file is read again."""
+    import os
+
+    from keepstate.agent import users
+
+    group_file = tmp_path / "group"
+    group_file.write_text("one\n")
+    monkeypatch.setattr(users, "_DATABASES", {"passwd": (str(tmp_path / "passwd"),), "group": (str(group_file),)})
+    monkeypatch.setattr(users, "_cache", {})
+    calls: list[tuple[str, int]] = []
+    answers = iter([[1000], [1000, 27]])
+
+    def getgrouplist(name: str, gid: int) -> list[int]:
+        calls.append((name, gid))
+        return next(answers)
+
+    monkeypatch.setattr(os, "getgrouplist", getgrouplist)
+    assert users.group_list("user", 1000) == [1000]
+    assert users.group_list("user", 1000) == [1000]
+    assert len(calls) == 1
+    group_file.write_text("one, with sudo now\n")  # usermod -aG: another size, mtime and ctime
+    assert users.group_list("user", 1000) == [1000, 27]
+    assert len(calls) == 2
+    root = users.lookup_user("root")
+    assert root.uid == 0 and users.lookup_user("root") is root
+    with pytest.raises(users.UnknownUser):
+        users.lookup_user("no-such-user-here")
