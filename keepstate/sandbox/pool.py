@@ -1,7 +1,10 @@
 """Warm pools: sandboxes started ahead of demand, one pool per template build.
 
 A create takes a pooled sandbox (its agent already answering) and only has to initialise
-it, which is what makes create-to-first-command fast. Pools refill in the background.
+it, which is what makes create-to-first-command fast. Pools refill in the background, and a refill waits while
+creates keep taking from a pool that still holds at least half its size (QUIET_S): a restore costs a few hundred ms
+of CPU, and run during a burst of creates it competes with the first commands of the sandboxes just handed out
+(docs/design/command-path.md). A pool below half its size refills at once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from keepstate.db.catalog import SandboxRow
 
 log = logging.getLogger("keepstate.pool")
 FULL_RETRY = 1.0  # seconds between looks for room on a host that holds its limit
+QUIET_S = 0.5  # a refill of a pool at least half full waits until no create has taken from it for this long
 
 
 class Pool:
@@ -33,6 +37,7 @@ class Pool:
         self.failures = 0
         self.full = False
         self.claims = 0  # sandboxes taken from it (/health reports it per template)
+        self._last_take = float("-inf")  # event-loop time of the last take
 
     def adopt(self, row: SandboxRow) -> None:
         self._ready.append(row)
@@ -40,6 +45,7 @@ class Pool:
     def take(self) -> SandboxRow | None:
         row = self._ready.popleft() if self._ready else None
         self.claims += row is not None
+        self._last_take = asyncio.get_running_loop().time()
         self._wake.set()
         return row
 
@@ -85,9 +91,24 @@ class Pool:
                 pass
             self._inflight = None
 
+    def hold(self, now: float) -> float:
+        """How long a refill waits at event-loop time `now`: while creates keep taking from a pool that still
+        holds at least half its size, until QUIET_S have passed since the last take; else not at all."""
+        if len(self._ready) * 2 < self.size:
+            return 0.0
+        return max(0.0, self._last_take + QUIET_S - now)
+
+    async def _quiet(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (left := self.hold(loop.time())) > 0:
+            await asyncio.sleep(left)
+
     async def _fill(self) -> None:
         while True:
             while len(self._ready) + self._starting < self.size:
+                await self._quiet()
+                if len(self._ready) + self._starting >= self.size:
+                    break
                 if not self._room():  # the host holds its limit: look again in a second, counting nothing
                     if not self.full:
                         log.info("pool %s: the host holds its limit of sandboxes; refilling when it has room",
