@@ -34,7 +34,7 @@ import secrets
 import subprocess
 from collections.abc import Callable, Sequence
 
-from keepstate.agent.users import User, group_list
+from keepstate.agent.users import User, files_state, group_list
 
 # The generic stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's
 # (-I -S) ~55 ms. Core builtins only (no `use`). It names itself `keepstate-spare` in `ps`.
@@ -67,15 +67,17 @@ BASH, ENV = "/bin/bash", "/usr/bin/env"
 # nothing: if it does not parse, read the environment the agent sent after it and exec `bash -l -c CMD` with
 # exactly that environment, so that bash reports the error itself; else close the pipe, drop the probe function,
 # restart SECONDS, seed RANDOM (a fork of the sandbox copies a waiting spare; $SRANDOM would show in `declare -p`),
-# put $_ back and unset the stub's variables in an eval of their own, then evaluate the command.
+# put $_ back and unset the stub's variables in an eval of their own, then evaluate the command. Every builtin is
+# called as `builtin X` (the login scripts may have defined a function of that name), but for the `exec` that closes
+# the pipe: a redirection on `builtin exec` is undone after it.
 LOGIN_STUB = (
-    "__ks_=$_; read -r -d '' -u FD __ks_r && IFS= read -r -d '' -u FD BASH_EXECUTION_STRING || exit 0; "
-    "if ! { eval \"__ks_f() { $BASH_EXECUTION_STRING\"$'\\n}'; } 2>/dev/null; then __ks_e=(); "
-    "while IFS= read -r -d '' -u FD __ks_v; do __ks_e+=(\"$__ks_v\"); done; "
-    "exec " + ENV + " -i \"${__ks_e[@]}\" " + BASH + " -l -c \"$BASH_EXECUTION_STRING\" FD<&-; fi; "
-    "exec FD<&-; unset -f __ks_f; SECONDS=0; "
-    "RANDOM=$__ks_r; "
-    "printf -v __ks_ %q \"$__ks_\"; eval \"unset __ks_ __ks_r; : $__ks_; eval \\\"\\$BASH_EXECUTION_STRING\\\"\""
+    "__ks_=$_; builtin read -r -d '' -u FD __ks_r && IFS= builtin read -r -d '' -u FD BASH_EXECUTION_STRING "
+    "|| builtin exit 0; "
+    "if ! { builtin eval \"__ks_f() { $BASH_EXECUTION_STRING\"$'\\n}'; } 2>/dev/null; then __ks_e=(); "
+    "while IFS= builtin read -r -d '' -u FD __ks_v; do __ks_e+=(\"$__ks_v\"); done; "
+    "builtin exec " + ENV + " -i -- \"${__ks_e[@]}\" " + BASH + " -l -c \"$BASH_EXECUTION_STRING\" FD<&-; fi; "
+    "exec FD<&-; builtin unset -f __ks_f; SECONDS=0; RANDOM=$__ks_r; builtin printf -v __ks_ %q \"$__ks_\"; "
+    "builtin eval \"builtin unset __ks_ __ks_r; builtin : $__ks_; builtin eval \\\"\\$BASH_EXECUTION_STRING\\\"\""
 )
 LOGIN_MAX = 16384  # bash reads a pipe a byte at a time: a longer command takes the generic path
 IDLE_S = 0.25  # after a command's end with no other command started since: make the next spares
@@ -101,19 +103,6 @@ def login_scripts(user: User) -> tuple[str, ...]:
     home = user.home.rstrip("/")
     return ("/etc/profile", "/etc/bash.bashrc", "/etc/profile.d", *sorted(glob.glob("/etc/profile.d/*.sh")),
             *(f"{home}/{name}" for name in (".bash_profile", ".bash_login", ".profile", ".bashrc")))
-
-
-def files_state(paths: tuple[str, ...]) -> tuple[tuple[int, int, int, int] | None, ...]:
-    """Each file's (inode, size, mtime, ctime), None if absent."""
-    state: list[tuple[int, int, int, int] | None] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            state.append(None)
-        else:
-            state.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return tuple(state)
 
 
 def encode(argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> bytes:

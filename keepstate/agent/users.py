@@ -37,7 +37,8 @@ _DATABASES = {"passwd": ("/etc/passwd", "/etc/nsswitch.conf"), "group": ("/etc/g
 _cache: dict[str, tuple[object, dict[object, object]]] = {}
 
 
-def _state(paths: tuple[str, ...]) -> object:
+def files_state(paths: tuple[str, ...]) -> tuple[tuple[int, int, int, int] | None, ...]:
+    """Each file's (inode, size, mtime, ctime), None if absent: what changes when a file is written or replaced."""
     out: list[tuple[int, int, int, int] | None] = []
     for path in paths:
         try:
@@ -50,7 +51,7 @@ def _state(paths: tuple[str, ...]) -> object:
 
 
 def _cached(database: str) -> dict[object, object]:
-    state = _state(_DATABASES[database])
+    state = files_state(_DATABASES[database])
     held = _cache.get(database)
     if held is None or held[0] != state:
         held = _cache[database] = (state, {})

@@ -161,6 +161,15 @@ def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str)
         assert b"[profile-end][/bin/bash][hBc][0][0][1][" in ours[0]
 
 
+def test_functions_the_login_scripts_define_do_not_stand_in_for_the_stubs_builtins(home_user: User) -> None:
+    with open(os.path.join(home_user.home, ".profile"), "a") as f:
+        for name in ("read", "eval", "printf", "unset", "exit", ":"):
+            f.write(f"{name}() {{ echo '{name} was the function'; }}\n")
+    for cmd in ("echo ran; declare -F", "echo a; )"):
+        assert _login_spare(home_user, cmd) == _bash_l_c(home_user, cmd)
+    assert _login_spare(home_user, "echo ran")[0] == b"ran\n"
+
+
 def test_login_spares_seed_random_afresh(home_user: User) -> None:
     """A fork of a sandbox copies its waiting spare: RANDOM is seeded when the command comes, not at the spare's
     start (two spares given the same start would otherwise print the same numbers)."""
