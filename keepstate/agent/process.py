@@ -26,7 +26,7 @@ from keepstate.agent.journal import Journal
 from keepstate.agent.own_tools import IMAGE_SETPRIV, setpriv_command
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
-from keepstate.agent.spare import Spares, login_command
+from keepstate.agent.spare import Spares, login_mode
 from keepstate.agent.users import User, group_list
 
 RETAIN_EXITED_S = 30.0
@@ -277,7 +277,7 @@ class ManagedProcess:
             return None
         program = _resolve_program(argv[0], spec.env)  # as pipe_spawn_argv: an unknown program is an error
         self._refill = True
-        cmd = login_command(argv, spec.stdin)
+        cmd = login_mode(argv, spec.stdin)
         login = self._spares.take_login(spec.user, spec.env, spec.cwd) if cmd is not None else None
         if login is not None and cmd is not None:
             try:

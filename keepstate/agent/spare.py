@@ -6,16 +6,17 @@ two execs on the command's path. Spares take them off it; there are two kinds (d
 
 * A **login spare** is the login shell itself: `setpriv ... -- /bin/bash -l -c LOGIN_STUB`, started with exactly
   what the SDK's usual command gets (the default environment and working directory, stdin on /dev/null, stdout and
-  stderr pipes to the agent, new session, umask 022). bash runs the login scripts, then the stub blocks reading
-  the command string from a pipe. A `bash -l -c CMD` request with that same environment and directory (what
-  `commands.run(cmd)` sends) is written to it and the stub evals it: no exec at all on the command's path. What
-  the command sees is what `bash -l -c CMD` gives it: $0, $-, $_, $BASH_EXECUTION_STRING, $SECONDS, LINENO, the
-  variables, functions and fds (the stub's are gone), pid, ids, session (tests/agent/test_spare.py compares them
-  byte for byte). A command that does not parse is not evaluated by the stub: it execs `bash -l -c CMD` afresh, so
-  bash's own syntax error is printed, word for word. What differs is written down in command-path.md
-  (/proc/PID/cmdline shows the stub; the login scripts ran before the command came).
-  A login spare is used only while its user's ids, its environment and directory, and the login scripts it read
-  (their inode, size and times) are unchanged; otherwise it is thrown away and made again.
+  stderr pipes to the agent, new session, umask 022). bash runs the login scripts, then the stub blocks reading a
+  pipe. A `bash -l -c CMD` request with that same environment and directory and no stdin (what `commands.run(cmd)`
+  sends), where CMD is one simple command (login_mode), is written to it: a program is exec'd in the shell's place
+  as bash -c execs it, a builtin is evaluated in the shell as bash -c does: no process is started on the command's
+  path but the program's own exec. What the command sees is what `bash -l -c CMD` gives it ($0, $-, $_,
+  $BASH_EXECUTION_STRING, $SECONDS, variables, functions, fds, pid, parent, ids, session, environment, exit
+  status: tests/agent/test_spare.py
+  compares them byte for byte); what differs is written down in command-path.md (a builtin's /proc/PID/cmdline
+  shows the stub; the login scripts ran before the command came). A login spare is used only while its user's
+  ids, its environment and directory, and the login scripts it read (their inode, size and times) are unchanged;
+  otherwise it is thrown away and made again.
 * A **generic spare** is `setpriv ... -- perl -e STUB`: for any other command, it receives argv, environment, cwd
   and whether there is stdin, sets them up and execs the command (the same process setpriv would have started).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import re
 import secrets
 import subprocess
 from collections.abc import Callable, Sequence
@@ -61,23 +63,35 @@ exit $code;
 PERL = "/usr/bin/perl"
 BASH, ENV = "/bin/bash", "/usr/bin/env"
 
-# The login stub, one line so that the command's line numbers are bash -c's. In order: keep $_ (what the login
-# scripts left, as bash -c CMD sees it); read a seed for RANDOM, then the command, each NUL-terminated (the
-# command into BASH_EXECUTION_STRING, where bash -c keeps it); parse the command as a function body, evaluating
-# nothing: if it does not parse, read the environment the agent sent after it and exec `bash -l -c CMD` with
-# exactly that environment, so that bash reports the error itself; else close the pipe, drop the probe function,
-# restart SECONDS, seed RANDOM (a fork of the sandbox copies a waiting spare; $SRANDOM would show in `declare -p`),
-# put $_ back and unset the stub's variables in an eval of their own, then evaluate the command. Every builtin is
-# called as `builtin X` (the login scripts may have defined a function of that name), but for the `exec` that closes
-# the pipe: a redirection on `builtin exec` is undone after it.
+# The login stub, one line so that the command's line numbers are bash -c's. It gets a seed for RANDOM, a mode, the
+# command's first word and the command (each NUL-terminated; the command into BASH_EXECUTION_STRING, where bash -c
+# keeps it), then the environment. It keeps $_ as the login scripts left it (what bash -c CMD sees first). A command
+# that does not parse as a function body (nothing is evaluated), or whose first word is a function or an alias of
+# the login scripts in mode `exec`, gets `bash -l -c CMD` exec'd afresh with exactly the environment sent (so bash
+# itself prints a syntax error). Else the stub closes the pipe, drops the probe function, restarts SECONDS, seeds
+# RANDOM (a fork of the sandbox copies a waiting spare; $SRANDOM would show in `declare -p`) and puts the command's
+# words in an array whose expansion is the stub's last command:
+# - mode `exec` (one simple command run by a program, login_mode): the command's own words, expanded as bash -c
+#   would expand them. bash -c execs the last simple command of its string in its own place (same pid, parent, fds,
+#   exit status; `_` put last in the environment), and that command is now the stub's own last one;
+# - mode `eval` (one run by a builtin): an eval that unsets the stub's variables, puts $_ back and evaluates the
+#   command in the shell, as bash -c does.
+# Builtins are called as `builtin X` (the login scripts may have defined a function of that name), but for the
+# `exec` that closes the pipe: a redirection on `builtin exec` is undone after it.
 LOGIN_STUB = (
-    "__ks_=$_; builtin read -r -d '' -u FD __ks_r && IFS= builtin read -r -d '' -u FD BASH_EXECUTION_STRING "
+    "__ks_=$_; builtin read -r -d '' -u FD __ks_r && builtin read -r -d '' -u FD __ks_m "
+    "&& builtin read -r -d '' -u FD __ks_w && IFS= builtin read -r -d '' -u FD BASH_EXECUTION_STRING "
     "|| builtin exit 0; "
-    "if ! { builtin eval \"__ks_f() { $BASH_EXECUTION_STRING\"$'\\n}'; } 2>/dev/null; then __ks_e=(); "
-    "while IFS= builtin read -r -d '' -u FD __ks_v; do __ks_e+=(\"$__ks_v\"); done; "
+    "if [[ $__ks_m == exec ]] && { builtin declare -F -- \"$__ks_w\" >/dev/null "
+    "|| [[ -n ${BASH_ALIASES[$__ks_w]+x} ]]; }; then __ks_m=bash; fi; "
+    "if [[ $__ks_m == bash ]] || ! { builtin eval \"__ks_f() { $BASH_EXECUTION_STRING\"$'\\n}'; } 2>/dev/null; "
+    "then __ks_e=(); while IFS= builtin read -r -d '' -u FD __ks_v; do __ks_e+=(\"$__ks_v\"); done; "
     "builtin exec " + ENV + " -i -- \"${__ks_e[@]}\" " + BASH + " -l -c \"$BASH_EXECUTION_STRING\" FD<&-; fi; "
-    "exec FD<&-; builtin unset -f __ks_f; SECONDS=0; RANDOM=$__ks_r; builtin printf -v __ks_ %q \"$__ks_\"; "
-    "builtin eval \"builtin unset __ks_ __ks_r; builtin : $__ks_; builtin eval \\\"\\$BASH_EXECUTION_STRING\\\"\""
+    "exec FD<&-; builtin unset -f __ks_f; SECONDS=0; RANDOM=$__ks_r; "
+    "if [[ $__ks_m == exec ]]; then builtin : \"$__ks_\"; builtin eval \"__ks_a=( $BASH_EXECUTION_STRING )\"; "
+    "else builtin printf -v __ks_ %q \"$__ks_\"; __ks_a=(builtin eval \"builtin unset __ks_ __ks_r __ks_m __ks_w "
+    "__ks_a; builtin : $__ks_; builtin eval \\\"\\$BASH_EXECUTION_STRING\\\"\"); fi; "
+    "\"${__ks_a[@]}\""
 )
 LOGIN_MAX = 16384  # bash reads a pipe a byte at a time: a longer command takes the generic path
 IDLE_S = 0.25  # after a command's end with no other command started since: make the next spares
@@ -114,8 +128,9 @@ def encode(argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> bytes
     return len(body).to_bytes(8, "big") + body
 
 
-def encode_login(cmd: str, env: dict[str, str]) -> bytes:
-    fields = [str(secrets.randbits(31)).encode(), os.fsencode(cmd), *(os.fsencode(f"{k}={v}") for k, v in env.items())]
+def encode_login(mode: str, word: str, cmd: str, env: dict[str, str]) -> bytes:
+    fields = [str(secrets.randbits(31)).encode(), mode.encode(), os.fsencode(word), os.fsencode(cmd),
+              *(os.fsencode(f"{k}={v}") for k, v in env.items())]
     if any(b"\0" in f for f in fields):
         raise ValueError("embedded null byte")
     return b"".join(f + b"\0" for f in fields)
@@ -199,17 +214,55 @@ class LoginSpare(_Waiting):
         return (env == self.env and cwd == self.cwd and self.identity == identity_of(user)
                 and self.scripts_state == files_state(self.scripts) and self.alive())
 
-    def run(self, cmd: str, env: dict[str, str]) -> None:
-        """Become `bash -l -c cmd`. Raises OSError if the spare is gone (the caller discards it)."""
-        self._send(encode_login(cmd, env))
+    def run(self, command: tuple[str, str, str], env: dict[str, str]) -> None:
+        """Become `bash -l -c CMD` (`command`: login_mode's). Raises OSError if the spare is gone (the caller
+        discards it)."""
+        self._send(encode_login(*command, env))
 
 
-def login_command(argv: list[str], stdin: bool) -> str | None:
-    """The command string of a request a login spare can run (the SDK's `/bin/bash -l -c CMD`, no stdin)."""
+# bash 5.2's builtins (`compgen -b`) but `command`, whose program bash -c execs in its own place as it does a
+# program's, and its reserved words (`compgen -k`).
+_BUILTINS = frozenset(
+    ". : [ alias bg bind break builtin caller cd compgen complete compopt continue declare dirs disown echo enable "
+    "eval exec exit export false fc fg getopts hash help history jobs kill let local logout mapfile popd printf "
+    "pushd pwd read readarray readonly return set shift shopt source suspend test times trap true type typeset "
+    "ulimit umask unalias unset wait".split())
+_KEYWORDS = frozenset("if then else elif fi case esac for select while until do done in function time { } ! [[ ]] "
+                      "coproc".split())
+_FIRST = re.compile(r"[ \t]*([A-Za-z0-9_./+][A-Za-z0-9_./+-]*)(?:[ \t]|$)")
+
+
+def _one_simple_command(cmd: str) -> bool:
+    """Whether `cmd` is, for certain, one simple command with no redirection: no unquoted operator, newline,
+    comment or escape, no command substitution anywhere, quotes closed. Doubt answers False."""
+    if "$(" in cmd or "`" in cmd or "\\" in cmd:
+        return False
+    quote = ""
+    for ch in cmd:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in ";&|<>()\n#":
+            return False
+    return not quote
+
+
+def login_mode(argv: list[str], stdin: bool) -> tuple[str, str, str] | None:
+    """(mode, first word, command) for a request a login spare can run, the SDK's `/bin/bash -l -c CMD` with no
+    stdin where CMD is one simple command whose first word is a plain word: mode `eval` when a builtin runs it
+    (bash -c runs it in itself), `exec` when a program does (bash -c execs the program in its own place). None for
+    anything else, which the generic spare or the usual path runs."""
     if stdin or len(argv) != 4 or argv[:3] != [BASH, "-l", "-c"]:
         return None
     cmd = argv[3]
-    return cmd if len(cmd) <= LOGIN_MAX and "\0" not in cmd else None
+    match = _FIRST.match(cmd)
+    if len(cmd) > LOGIN_MAX or "\0" in cmd or match is None or not _one_simple_command(cmd):
+        return None
+    word = match.group(1)
+    if word in _KEYWORDS or word == "command":
+        return None
+    return ("eval" if word in _BUILTINS else "exec"), word, cmd
 
 
 class Spares:

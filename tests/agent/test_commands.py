@@ -188,21 +188,29 @@ async def test_async_kill_and_connect(async_sandbox) -> None:
 
 
 def test_after_an_idle_moment_a_command_runs_in_the_login_spare_and_sees_the_same(sandbox) -> None:
-    """agent/spare.py: once the sandbox has been idle for a moment, `commands.run(cmd)` is evaluated by a login bash
-    that ran its login scripts ahead of time (its /proc/PID/cmdline, the one thing that shows it, is the stub's);
-    a command with an environment variable of its own cannot use it and starts `bash -l -c` afresh. Both see the
-    same shell."""
-    probe = ("echo \"[$_][$0][$-][$#][$SECONDS][$LINENO][$BASH_EXECUTION_STRING]\"; id; umask; pwd; env | sort; "
-             "ls /proc/$$/fd; declare -f; shopt -p; set +o; trap -p; nosuch-command; echo \"[$?]\"; "
-             "echo; tr '\\0' ' ' < /proc/$$/cmdline")
+    """agent/spare.py: once the sandbox has been idle for a moment, `commands.run(cmd)` of one simple command is
+    run by a login bash that ran its login scripts ahead of time: a builtin's evaluated in it (its
+    /proc/PID/cmdline, the one thing that shows it, is the stub's), a program exec'd in its place as bash -c execs
+    it. A command with an environment variable of its own cannot use it and starts `bash -l -c` afresh. Both see the
+    same shell, and a program the same parent."""
+    probe = "/tmp/ks-login-spare-probe.sh"
+    sandbox.files.write(probe, (
+        "echo \"[$_][$0][$-][$#][$SECONDS][$BASH_EXECUTION_STRING]\"; id; umask; pwd; env | sort; "
+        "ls /proc/$$/fd; declare -f; shopt -p; set +o; trap -p; nosuch-command; echo \"[$?]\"; "
+        "echo; tr '\\0' ' ' < /proc/$$/cmdline\n"))
+    for _ in range(2):
+        sandbox.commands.run("true")
+        time.sleep(1.0)  # the agent makes the next login spare once it has been idle for 0.25 s
+        spare = sandbox.commands.run(f"source {probe}")
+        fresh = sandbox.commands.run(f"source {probe}", envs={"KS_PROBE": "1"})
+        seen, cmdline = spare.stdout.rsplit("\n", 1)
+        assert "BASH_EXECUTION_STRING" in cmdline and "__ks_" in cmdline  # the login spare ran it
+        fresh_seen, fresh_cmdline = fresh.stdout.rsplit("\n", 1)
+        assert fresh_cmdline.startswith("/bin/bash -l -c source ")
+        assert seen == fresh_seen.replace("KS_PROBE=1\n", "")
+        assert spare.stderr == fresh.stderr and "nosuch-command: command not found" in spare.stderr
+        assert "[127]" in seen and "uid=" in seen
+    parent = "sh -c 'cat /proc/$PPID/comm; ls /proc/self/fd'"
     sandbox.commands.run("true")
-    time.sleep(1.0)  # the agent makes the next login spare once it has been idle for 0.25 s
-    spare = sandbox.commands.run(probe)
-    fresh = sandbox.commands.run(probe, envs={"KS_PROBE": "1"})
-    seen, cmdline = spare.stdout.rsplit("\n", 1)
-    assert "BASH_EXECUTION_STRING" in cmdline and "read -r" in cmdline  # the login spare ran it
-    fresh_seen, fresh_cmdline = fresh.stdout.rsplit("\n", 1)
-    assert fresh_cmdline.startswith("/bin/bash -l -c echo")
-    assert seen == fresh_seen.replace("KS_PROBE=1\n", "")
-    assert spare.stderr == fresh.stderr and "line 1: nosuch-command: command not found" in spare.stderr
-    assert "[127]" in seen and "uid=" in seen
+    time.sleep(1.0)
+    assert sandbox.commands.run(parent).stdout == sandbox.commands.run(parent, envs={"KS_PROBE": "1"}).stdout

@@ -16,7 +16,7 @@ import pytest
 
 from keepstate.agent.process import SETPRIV, ProcessTable, SpawnSpec, pipe_spawn_argv
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent
-from keepstate.agent.spare import PERL, LoginSpare, Spare, Spares, login_command
+from keepstate.agent.spare import PERL, LoginSpare, Spare, Spares, login_mode
 from keepstate.agent.users import User, lookup_user, process_env
 
 pytestmark = pytest.mark.skipif(
@@ -114,30 +114,62 @@ def _bash_l_c(user: User, cmd: str) -> tuple[bytes, bytes, int]:
     return out, err, p.returncode
 
 
-def _login_spare(user: User, cmd: str, wait: float = 0.0) -> tuple[bytes, bytes, int]:
+def _login_spare(user: User, cmd: str, wait: float = 0.0, mode: str | None = None) -> tuple[bytes, bytes, int]:
+    """`cmd` run by a login spare as the agent runs it (login_mode), or in `mode` (the stub alone)."""
+    command = login_mode(["/bin/bash", "-l", "-c", cmd], False) if mode is None else (mode, "", cmd)
+    assert command is not None, f"the agent would not run {cmd!r} in a login spare"
     spare = LoginSpare(SETPRIV, user, _env(user), user.home)
     time.sleep(wait)  # the spare waits, as it does for an agent that thinks between commands
-    spare.run(cmd, _env(user))
+    spare.run(command, _env(user))
     out, err = spare.popen.communicate(timeout=30)
     return out, err, spare.popen.returncode
 
 
 # Everything a command can see of its shell: $_ (what the login scripts left), $0, $-, $#, $SECONDS (the spare
 # waited over a second), ids, capabilities, signals, umask, cwd, environment, every variable (RANDOM's seed and the
-# pids excepted), functions, options, traps, fds, session; then stdin (/dev/null) and $0 again.
+# pids excepted), functions, options, traps, fds, session; then stdin (/dev/null) and $0 again. Sourced (one
+# simple command run by a builtin, as the agent sends to a login spare).
 PROBE_LOGIN = (
-    "echo \"[$_][$0][$-][$#][$SECONDS][$LINENO][$BASH_EXECUTION_STRING]\"; id; "
+    "echo \"[$_][$0][$-][$#][$SECONDS][$BASH_EXECUTION_STRING]\"; id; "
     "grep -E '^(Uid|Gid|Groups|CapPrm|CapEff|SigIgn|SigBlk|SigCgt):' /proc/self/status; umask; pwd; env | sort; "
-    "declare -p | grep -v -e '^declare -i RANDOM' -e '^declare -ir PPID=' -e BASHPID -e '^declare -- _='; "
+    "declare -p | grep -v -e '^declare -i RANDOM' -e '^declare -ir PPID=' -e BASHPID -e '^declare -- _=' "
+    "-e '^declare -a BASH_SOURCE' -e '^declare -a BASH_LINENO'; "
     "declare -f; shopt; set -o; trap -p; ls /proc/$$/fd; "
     "ps -o sid=,pgid= -p $$ | awk -v p=$$ '{print ($1==p) ($2==p)}'; "
-    "cat; echo \"[$0]\""
+    "cat; echo \"[$0]\"\n"
 )
 
 
 @pytest.mark.parametrize("cmd", [
-    PROBE_LOGIN,
-    "nosuch-command",  # bash's own messages, with bash -c's line numbers
+    "source {home}/probe.sh",
+    "true",
+    "exit 7",
+    "cd /tmp",
+    "nosuch-command with args",  # bash's own message, with bash -c's line number
+    "echo \"$FROM_PROFILE $last_profile_word\" $_",  # what the login scripts set and left
+    "printf '%s|' \"$BASH_EXECUTION_STRING\" 'x y' é 日本",
+    "exec echo replaced",
+    # A program: bash -c execs it in its own place (same pid, parent, fds, environment, exit status).
+    "env",
+    "sh -c 'cat /proc/$PPID/comm; ls /proc/self/fd; echo $0 $# \"$*\"' zero one two",
+    "/bin/sh -c 'kill -SEGV $$'",
+    "/bin/kill -9 $$",
+    "sleep 0.1",
+    "sh -c 'echo \"[$0]\"' $_ $LINENO",  # words expanded as bash -c expands them
+])
+def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str) -> None:
+    with open(os.path.join(home_user.home, "probe.sh"), "w") as f:
+        f.write(PROBE_LOGIN)
+    cmd = cmd.replace("{home}", home_user.home)
+    theirs = _bash_l_c(home_user, cmd)
+    ours = _login_spare(home_user, cmd, wait=1.1 if "probe" in cmd else 0.0)
+    assert ours == theirs
+    if "probe" in cmd:
+        assert b"uid=65534" in ours[0] and b"FROM_PROFILE=one" in ours[0]
+        assert b"[profile-end][/bin/bash][hBc][0][0][" in ours[0]
+
+
+@pytest.mark.parametrize("cmd", [
     "echo a\necho $LINENO\nnosuch\n( echo $LINENO; f() { echo $LINENO; caller; }; f )",
     "echo a; )",  # a syntax error: bash -l -c is exec'd, so the message is word for word bash -c's
     "echo a\nif",  # the first line runs, then the syntax error
@@ -145,28 +177,30 @@ PROBE_LOGIN = (
     "cat <<EOF\nhere",  # a here-document to the end
     "",
     "# only a comment",
-    "exit 7",
     "trap 'echo trapped' EXIT; echo x",
-    "exec echo replaced",
-    "echo \"$FROM_PROFILE $last_profile_word\"",  # what the login scripts set
-    "printf '%s\\n' \"$BASH_EXECUTION_STRING\" 'x\\y' é 日本",
-    "kill -9 $$",
 ])
-def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str) -> None:
-    theirs = _bash_l_c(home_user, cmd)
-    ours = _login_spare(home_user, cmd, wait=1.1 if cmd is PROBE_LOGIN else 0.0)
-    assert ours == theirs
-    if cmd is PROBE_LOGIN:
-        assert b"uid=65534" in ours[0] and b"FROM_PROFILE=one" in ours[0]
-        assert b"[profile-end][/bin/bash][hBc][0][0][1][" in ours[0]
+def test_the_stub_evaluates_what_bash_c_runs_in_itself(home_user: User, cmd: str) -> None:
+    """The stub alone, in mode `eval`, with strings the agent does not send it (more than one simple command, whose
+    last one bash -c may exec in its own place): line numbers, bash's own syntax errors, here-documents, traps."""
+    assert login_mode(["/bin/bash", "-l", "-c", cmd], False) is None
+    assert _login_spare(home_user, cmd, mode="eval") == _bash_l_c(home_user, cmd)
+
+
+def test_a_function_or_alias_of_the_login_scripts_is_run_as_bash_c_runs_it(home_user: User) -> None:
+    with open(os.path.join(home_user.home, ".profile"), "a") as f:
+        f.write("ls() { echo \"ls was the function: $*\"; }\nshopt -s expand_aliases\nalias cat='echo cat alias'\n")
+    for cmd in ("ls /", "cat /etc/hostname"):
+        assert _login_spare(home_user, cmd) == _bash_l_c(home_user, cmd)
+    assert _login_spare(home_user, "ls /")[0] == b"ls was the function: /\n"
 
 
 def test_functions_the_login_scripts_define_do_not_stand_in_for_the_stubs_builtins(home_user: User) -> None:
     with open(os.path.join(home_user.home, ".profile"), "a") as f:
         for name in ("read", "eval", "printf", "unset", "exit", ":"):
             f.write(f"{name}() {{ echo '{name} was the function'; }}\n")
-    for cmd in ("echo ran; declare -F", "echo a; )"):
+    for cmd in ("source /dev/null", "declare -F", "env"):
         assert _login_spare(home_user, cmd) == _bash_l_c(home_user, cmd)
+    assert _login_spare(home_user, "echo a; )", mode="eval") == _bash_l_c(home_user, "echo a; )")
     assert _login_spare(home_user, "echo ran")[0] == b"ran\n"
 
 
@@ -177,12 +211,18 @@ def test_login_spares_seed_random_afresh(home_user: User) -> None:
     assert len(outs) == 4
 
 
-def test_login_command_is_the_sdks_bash_l_c_without_stdin() -> None:
-    assert login_command(["/bin/bash", "-l", "-c", "ls"], stdin=False) == "ls"
-    assert login_command(["/bin/bash", "-l", "-c", "ls"], stdin=True) is None
-    assert login_command(["/bin/bash", "-c", "ls"], stdin=False) is None
-    assert login_command(["/bin/sh", "-l", "-c", "ls"], stdin=False) is None
-    assert login_command(["/bin/bash", "-l", "-c", "x" * 20000], stdin=False) is None  # bash reads it bytewise
+def test_login_mode_is_the_sdks_bash_l_c_of_one_simple_command_without_stdin() -> None:
+    def mode(cmd: str, stdin: bool = False, argv0: str = "/bin/bash") -> str | None:
+        found = login_mode([argv0, "-l", "-c", cmd], stdin)
+        return None if found is None else found[0]
+
+    assert mode("true") == mode("echo a 'b c' \"$HOME\" *.py ~") == mode("source x") == "eval"
+    assert mode("ls -la /tmp") == mode("python3 -c 'print(1)'") == mode("./run.sh a") == "exec"
+    for other in ("ls; ls", "ls && ls", "ls | cat", "ls > f", "ls\nls", "echo $(date)", "echo `date`", "X=1 ls",
+                  "if true; then :; fi", "{ ls; }", "(ls)", "ls # c", "echo \\x", "echo 'open", "command ls",
+                  "[ -f x ]", "-x", "x" * 20000):
+        assert mode(other) is None, other
+    assert mode("ls", stdin=True) is None and mode("ls", argv0="/bin/sh") is None
 
 
 def _spec(user: User, cmd: str, env: dict[str, str], cwd: str) -> SpawnSpec:
