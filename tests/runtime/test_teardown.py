@@ -134,7 +134,9 @@ async def test_a_failed_teardown_is_retried_until_nothing_is_left(host: Host) ->
         while teardowns.pending():
             assert loop.time() < deadline, "the teardown was not retried"
             await asyncio.sleep(0.05)
-        assert catalog.teardowns() == [] and host.runtime.slots.owner(handle.slot) is None
+        # Released: no longer this sandbox's. (Not asserted free: slots are the host's, and another test's server
+        # may claim it the moment it is released, as one did in a fresh-clone run.)
+        assert catalog.teardowns() == [] and host.runtime.slots.owner(handle.slot) != handle.name
         assert leftovers(host.home) == []
     finally:
         await teardowns.stop()
