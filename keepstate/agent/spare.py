@@ -229,6 +229,10 @@ _BUILTINS = frozenset(
     "ulimit umask unalias unset wait".split())
 _KEYWORDS = frozenset("if then else elif fi case esac for select while until do done in function time { } ! [[ ]] "
                       "coproc".split())
+# Words that a command and an array assignment (mode `exec` expands the words in one) expand differently: a tilde
+# after `=` (`--out=~/x`: a command's argument has it expanded, an array's element not) and `[i]=x` (an element
+# assignment in an array).
+_ARRAY_DIFFERS = re.compile(r"=~|\]\+?=")
 _FIRST = re.compile(r"[ \t]*([A-Za-z0-9_./+][A-Za-z0-9_./+-]*)(?:[ \t]|$)")
 
 
@@ -260,7 +264,7 @@ def login_mode(argv: list[str], stdin: bool) -> tuple[str, str, str] | None:
     if len(cmd) > LOGIN_MAX or "\0" in cmd or match is None or not _one_simple_command(cmd):
         return None
     word = match.group(1)
-    if word in _KEYWORDS or word == "command":
+    if word in _KEYWORDS or word == "command" or _ARRAY_DIFFERS.search(cmd):
         return None
     return ("eval" if word in _BUILTINS else "exec"), word, cmd
 

@@ -155,7 +155,7 @@ PROBE_LOGIN = (
     "/bin/sh -c 'kill -SEGV $$'",
     "/bin/kill -9 $$",
     "sleep 0.1",
-    "sh -c 'echo \"[$0]\"' $_ $LINENO",  # words expanded as bash -c expands them
+    "sh -c 'echo \"[$0] $*\"' $_ $LINENO ~ ~/x x:~/y {a,b} /proc/self/fd/[0-2]",  # words expanded as bash -c does
 ])
 def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str) -> None:
     with open(os.path.join(home_user.home, "probe.sh"), "w") as f:
@@ -220,7 +220,7 @@ def test_login_mode_is_the_sdks_bash_l_c_of_one_simple_command_without_stdin() -
     assert mode("ls -la /tmp") == mode("python3 -c 'print(1)'") == mode("./run.sh a") == "exec"
     for other in ("ls; ls", "ls && ls", "ls | cat", "ls > f", "ls\nls", "echo $(date)", "echo `date`", "X=1 ls",
                   "if true; then :; fi", "{ ls; }", "(ls)", "ls # c", "echo \\x", "echo 'open", "command ls",
-                  "[ -f x ]", "-x", "x" * 20000):
+                  "[ -f x ]", "-x", "x" * 20000, "ls --out=~/x", "ls [1]=x", "ls 'a[0]+=b'"):
         assert mode(other) is None, other
     assert mode("ls", stdin=True) is None and mode("ls", argv0="/bin/sh") is None
 
