@@ -148,6 +148,9 @@ def test_a_create_after_the_first_is_claimed_from_the_templates_warm_pool(built:
 
 
 def test_concurrent_creates_past_the_pool_each_get_a_sandbox_of_their_own(built: Built, server: Server) -> None:
+    # A built template's pool starts with its first create, and a rebuild retires it: under xdist this worker may
+    # not have created from its build yet (a fresh-clone run waited 240 s for a pool nobody had started).
+    Sandbox.create(built.name, timeout=60).kill()
     _wait_pool(server, built.name)
     with concurrent.futures.ThreadPoolExecutor(3) as ex:
         boxes = list(ex.map(lambda i: Sandbox.create(built.name, timeout=60, envs={"N": str(i)}), range(3)))
