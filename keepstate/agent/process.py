@@ -268,10 +268,10 @@ class ManagedProcess:
         return popen
 
     def _from_spare(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
-        """The command started by one of the user's spares (spare.py): the login spare for the SDK's
-        `bash -l -c CMD` with the default environment and directory (no exec at all), else the generic spare (what
-        `setpriv` would have started, one exec sooner). None when there is no usable spare (root, no setpriv, a
-        stale or dead one): the usual path."""
+        """The command started by one of the user's spares (spare.py): the login spare for the SDK's `bash -l -c CMD`
+        of one simple command with the default environment and directory (no exec but the program's own), else the
+        generic spare (what `setpriv` would have started, one exec sooner). None when there is no usable spare
+        (root, no setpriv, a stale or dead one): the usual path."""
         spec = self.spec
         if self._spares is None or os.geteuid() != 0 or spec.user.uid == 0 or not _has_setpriv():
             return None

@@ -11,12 +11,11 @@ two execs on the command's path. Spares take them off it; there are two kinds (d
   sends), where CMD is one simple command (login_mode), is written to it: a program is exec'd in the shell's place
   as bash -c execs it, a builtin is evaluated in the shell as bash -c does: no process is started on the command's
   path but the program's own exec. What the command sees is what `bash -l -c CMD` gives it ($0, $-, $_,
-  $BASH_EXECUTION_STRING, $SECONDS, variables, functions, fds, pid, parent, ids, session, environment, exit
-  status: tests/agent/test_spare.py
-  compares them byte for byte); what differs is written down in command-path.md (a builtin's /proc/PID/cmdline
-  shows the stub; the login scripts ran before the command came). A login spare is used only while its user's
-  ids, its environment and directory, and the login scripts it read (their inode, size and times) are unchanged;
-  otherwise it is thrown away and made again.
+  $BASH_EXECUTION_STRING, $SECONDS, variables, functions, fds, pid, parent, ids, session, environment, exit status:
+  tests/agent/test_spare.py compares them byte for byte); what differs is written down in command-path.md (a
+  builtin's /proc/PID/cmdline shows the stub; the login scripts ran before the command came). A login spare is used
+  only while its user's ids, its environment and directory, and the login scripts it read (their inode, size and
+  times) are unchanged; otherwise it is thrown away and made again.
 * A **generic spare** is `setpriv ... -- perl -e STUB`: for any other command, it receives argv, environment, cwd
   and whether there is stdin, sets them up and execs the command (the same process setpriv would have started).
 
