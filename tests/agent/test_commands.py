@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -187,6 +188,29 @@ async def test_async_kill_and_connect(async_sandbox) -> None:
         await attached.wait()
 
 
+def _wait_for_login_spare(sandbox) -> None:
+    """Until the agent has a login spare waiting (made once it has been idle for 0.25 s): a child of the agent whose
+    command line is the stub's. The look itself is a command the spare cannot run (an environment variable of its
+    own), whose parent is the agent; only the agent's children count (in host mode /proc is the host's, where other
+    agents have spares of their own)."""
+    look = ("for s in /proc/[0-9]*/status; do grep -qx \"PPid:[[:space:]]*$PPID\" $s 2>/dev/null && "
+            "tr '\\0' ' ' < ${s%status}cmdline 2>/dev/null && echo; done; true")
+    assert eventually(lambda: "__ks_" in sandbox.commands.run(look, envs={"KS_LOOK": "1"}).stdout,
+                      within_s=30, every_s=0.5)
+
+
+def _timed_run(sandbox, cmd: str, **kwargs):
+    """`commands.run`, with the probe's [$SECONDS] checked against the run's window and replaced by `S`: whole
+    seconds since the shell started (or the spare set SECONDS=0), 1 where the two fall either side of a second."""
+    start = time.time()
+    result = sandbox.commands.run(cmd, **kwargs)
+    end = time.time()
+    m = re.search(r"(\]\[\d+\]\[)(\d+)\]\[", result.stdout)  # [$#][$SECONDS][
+    assert m is not None, result.stdout
+    assert 0 <= int(m[2]) <= int(end) - int(start), f"SECONDS={m[2]} in a run of {end - start:.2f} s"
+    return result.stdout[:m.start(2)] + "S" + result.stdout[m.end(2):], result.stderr
+
+
 def test_after_an_idle_moment_a_command_runs_in_the_login_spare_and_sees_the_same(sandbox) -> None:
     """agent/spare.py: once the sandbox has been idle for a moment, `commands.run(cmd)` of one simple command is
     run by a login bash that ran its login scripts ahead of time: a builtin's evaluated in it (its
@@ -200,17 +224,17 @@ def test_after_an_idle_moment_a_command_runs_in_the_login_spare_and_sees_the_sam
         "echo; tr '\\0' ' ' < /proc/$$/cmdline\n"))
     for _ in range(2):
         sandbox.commands.run("true")
-        time.sleep(1.0)  # the agent makes the next login spare once it has been idle for 0.25 s
-        spare = sandbox.commands.run(f"source {probe}")
-        fresh = sandbox.commands.run(f"source {probe}", envs={"KS_PROBE": "1"})
-        seen, cmdline = spare.stdout.rsplit("\n", 1)
+        _wait_for_login_spare(sandbox)
+        spare, spare_err = _timed_run(sandbox, f"source {probe}")
+        fresh, fresh_err = _timed_run(sandbox, f"source {probe}", envs={"KS_PROBE": "1"})
+        seen, cmdline = spare.rsplit("\n", 1)
         assert "BASH_EXECUTION_STRING" in cmdline and "__ks_" in cmdline  # the login spare ran it
-        fresh_seen, fresh_cmdline = fresh.stdout.rsplit("\n", 1)
+        fresh_seen, fresh_cmdline = fresh.rsplit("\n", 1)
         assert fresh_cmdline.startswith("/bin/bash -l -c source ")
         assert seen == fresh_seen.replace("KS_PROBE=1\n", "")
-        assert spare.stderr == fresh.stderr and "nosuch-command: command not found" in spare.stderr
+        assert spare_err == fresh_err and "nosuch-command: command not found" in spare_err
         assert "[127]" in seen and "uid=" in seen
     parent = "sh -c 'cat /proc/$PPID/comm; ls /proc/self/fd'"
     sandbox.commands.run("true")
-    time.sleep(1.0)
+    _wait_for_login_spare(sandbox)
     assert sandbox.commands.run(parent).stdout == sandbox.commands.run(parent, envs={"KS_PROBE": "1"}).stdout

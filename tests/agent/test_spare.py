@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -107,11 +108,25 @@ def _env(user: User) -> dict[str, str]:
 def _bash_l_c(user: User, cmd: str) -> tuple[bytes, bytes, int]:
     """What the usual path runs for the SDK's commands.run(cmd)."""
     argv, identity = pipe_spawn_argv(["/bin/bash", "-l", "-c", cmd], user, _env(user))
+    start = time.time()
     p = subprocess.Popen(argv, **identity, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # noqa: S603
                          stderr=subprocess.PIPE, cwd=user.home, env=_env(user), umask=0o022, start_new_session=True,
                          close_fds=True)
     out, err = p.communicate(timeout=30)
-    return out, err, p.returncode
+    return _seconds(out, start, time.time()), err, p.returncode
+
+
+# The probe's [$SECONDS]: whole seconds since the shell started (or the spare set SECONDS=0), so 1 where that
+# moment and the probe fall either side of a second's boundary.
+_PROBE_SECONDS = re.compile(rb"(\]\[\d+\]\[)(\d+)\](?=\[)")  # [$#][$SECONDS][
+
+
+def _seconds(out: bytes, start: float, end: float) -> bytes:
+    """`out` with the probe's $SECONDS checked against the run's window [start, end] and replaced by `S`."""
+    def check(m: re.Match[bytes]) -> bytes:
+        assert 0 <= int(m[2]) <= int(end) - int(start), f"SECONDS={m[2]!r} in a run of {end - start:.2f} s"
+        return m[1] + b"S]"
+    return _PROBE_SECONDS.sub(check, out, count=1)
 
 
 def _login_spare(user: User, cmd: str, wait: float = 0.0, mode: str | None = None) -> tuple[bytes, bytes, int]:
@@ -120,9 +135,10 @@ def _login_spare(user: User, cmd: str, wait: float = 0.0, mode: str | None = Non
     assert command is not None, f"the agent would not run {cmd!r} in a login spare"
     spare = LoginSpare(SETPRIV, user, _env(user), user.home)
     time.sleep(wait)  # the spare waits, as it does for an agent that thinks between commands
+    start = time.time()
     spare.run(command, _env(user))
     out, err = spare.popen.communicate(timeout=30)
-    return out, err, spare.popen.returncode
+    return _seconds(out, start, time.time()), err, spare.popen.returncode
 
 
 # Everything a command can see of its shell: $_ (what the login scripts left), $0, $-, $#, $SECONDS (the spare
@@ -166,7 +182,7 @@ def test_login_spare_command_sees_what_bash_l_c_gives(home_user: User, cmd: str)
     assert ours == theirs
     if "probe" in cmd:
         assert b"uid=65534" in ours[0] and b"FROM_PROFILE=one" in ours[0]
-        assert b"[profile-end][/bin/bash][hBc][0][0][" in ours[0]
+        assert b"[profile-end][/bin/bash][hBc][0][S][" in ours[0]
 
 
 @pytest.mark.parametrize("cmd", [

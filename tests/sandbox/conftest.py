@@ -79,6 +79,7 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
     """A server in this process on `kind` ("fake" or "gvisor"); `runtime` and `home` let a second server take over
     the first one's sandboxes (adoption). Options are ServerConfig fields."""
     home = home or Path(tempfile.mkdtemp(prefix="keepstate-inproc-"))
+    owned: FakeRuntime | None = None
     options = {"pool_size": 2, "warm_templates": ("base",), "reap_on_exit": True, **options}
     if kind == "gvisor":
         why = gvisor_unavailable()
@@ -86,7 +87,8 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
             pytest.skip(why)
         app = create_app(ServerConfig(home=home, **options), runtime)
     else:
-        runtime = runtime or FakeRuntime()
+        if runtime is None:
+            runtime = owned = FakeRuntime()  # closed once the server is (its network fd, its instances)
         # Lifecycle tests count the fake's creates and restores: boot images (tests/sandbox/test_boot_images.py)
         # only where asked for.
         options.setdefault("boot_images", False)
@@ -102,6 +104,8 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
             yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http, home)
         finally:
             await runner.cleanup()
+            if owned is not None:
+                owned.close()
 
 
 @pytest.fixture
@@ -110,5 +114,3 @@ async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
     kind = getattr(request, "param", "fake")
     async with serving(kind) as s:
         yield s
-    if isinstance(s.runtime, FakeRuntime):
-        s.runtime.close()

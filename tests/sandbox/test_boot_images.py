@@ -45,7 +45,6 @@ async def test_the_first_boot_is_captured_and_the_next_sandboxes_are_restored_fr
                               headers={"E2b-Sandbox-Id": third, "X-Access-Token": token2}) as r:
             assert r.status == 401
         assert fake(s).violations == []  # no connection was open into the instance it was captured from
-        fake(s).close()
 
 
 async def test_other_limits_get_an_image_of_their_own() -> None:
@@ -54,7 +53,6 @@ async def test_other_limits_get_an_image_of_their_own() -> None:
         await create(s, memoryMB=1024)
         await create(s, memoryMB=1024)
         assert fake(s).calls.get("create") == 2 and fake(s).calls.get("restore") == 1
-        fake(s).close()
 
 
 async def test_a_bad_image_is_discarded_and_the_sandbox_boots() -> None:
@@ -72,7 +70,6 @@ async def test_a_bad_image_is_discarded_and_the_sandbox_boots() -> None:
         restores = fake(s).calls.get("restore", 0)
         await create(s)
         assert fake(s).calls.get("restore") == restores + 1
-        fake(s).close()
 
 
 async def test_concurrent_creates_capture_one_image_and_all_work() -> None:
@@ -84,7 +81,6 @@ async def test_concurrent_creates_capture_one_image_and_all_work() -> None:
         for sid, token in made:
             assert await read_file(s, sid, token, "/home/user/id") == sid.encode()
         assert fake(s).calls.get("checkpoint") == 1
-        fake(s).close()
 
 
 async def test_off_means_every_sandbox_boots() -> None:
@@ -93,7 +89,6 @@ async def test_off_means_every_sandbox_boots() -> None:
         await create(s)
         assert fake(s).calls.get("create") == 2 and not fake(s).calls.get("checkpoint")
         assert not (s.home / "boot-images").exists() or not any((s.home / "boot-images").iterdir())
-        fake(s).close()
 
 
 async def test_a_server_start_removes_the_images_of_the_last() -> None:

@@ -56,7 +56,6 @@ async def test_resume_from_the_store_when_there_is_no_standby() -> None:
         resumes = [e for e in await events(s, sid) if e["kind"] == "sandbox.resume"]
         assert [e["data"]["from"] for e in resumes] == ["store"]  # type: ignore[index]
         assert fake(s).violations == []
-        fake(s).close()
 
 
 async def test_resume_from_the_standby_is_a_thaw(served: Served) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from keepstate.sandbox import creates
 from keepstate.sandbox.state import State
+from keepstate.testing import FakeRuntime
 
 from .conftest import Served, serving
 from .test_idle import bounded, create, fake, until
@@ -123,19 +124,23 @@ async def test_a_pool_no_create_came_for_is_drained() -> None:
 
 
 async def test_a_restart_reaps_pooled_restores_and_the_next_create_refills() -> None:
-    async with serving(template_pool_size=1, reap_on_exit=False) as s:
-        snaps = {"tpl": await snapshot_with(s, b"before the restart")}
-        name_template(s, snaps)
-        await create_from(s, "tpl")
-        held = await ready_pool(s, "tpl")
-        name, home, runtime = held.pool.ready()[0].runtime_name, s.home, s.runtime
-    async with serving(home=home, runtime=runtime, template_pool_size=1) as s2:
-        await until(lambda: not live(s2, name), "the pooled restore to be reaped by adoption")
-        assert all(p.template != "tpl" for p in s2.manager.pools.values())
-        name_template(s2, snaps)
-        sid, token = await create_from(s2, "tpl")
-        assert await bounded(read_file(s2, sid, token, "/home/user/built")) == b"before the restart"
-        await ready_pool(s2, "tpl")
+    runtime = FakeRuntime()  # both servers' (the second adopts the first's instances): closed after both
+    try:
+        async with serving(runtime=runtime, template_pool_size=1, reap_on_exit=False) as s:
+            snaps = {"tpl": await snapshot_with(s, b"before the restart")}
+            name_template(s, snaps)
+            await create_from(s, "tpl")
+            held = await ready_pool(s, "tpl")
+            name, home = held.pool.ready()[0].runtime_name, s.home
+        async with serving(home=home, runtime=runtime, template_pool_size=1) as s2:
+            await until(lambda: not live(s2, name), "the pooled restore to be reaped by adoption")
+            assert all(p.template != "tpl" for p in s2.manager.pools.values())
+            name_template(s2, snaps)
+            sid, token = await create_from(s2, "tpl")
+            assert await bounded(read_file(s2, sid, token, "/home/user/built")) == b"before the restart"
+            await ready_pool(s2, "tpl")
+    finally:
+        runtime.close()
 
 
 async def test_no_pool_when_disabled() -> None:
