@@ -4,15 +4,19 @@ frozen (its host cgroup: no CPU at all), and thawed transparently before anythin
 Every INTERVAL it looks at each running (and pooled) sandbox that is quiet: no call or proxied request through the
 AgentClient for `after` seconds, none in flight, no command holding its lock, not quiesced. For those it asks the
 agent (`GET /keepstate/idle`, a poll: not activity); if the agent says idle, and the journal poller has pulled
-every entry the agent holds, it closes the router's idle keep-alive connections into it, lets the closes settle,
-and then — synchronously, with no await in between, so no call can start meanwhile — checks again that nothing
-started, that the host holds no TCP connection to the sandbox in any state but TIME_WAIT or CLOSE (a connection
-closed while the sandbox is frozen leaves the host's FIN unacknowledged; killed frozen, the host retransmits it
-for minutes into the slot's address, which the slot's next sandbox inherits), and freezes it.
+every entry the agent holds, it closes the router's idle keep-alive connections into it, waits for the closes to
+finish (the host's TCP table, read every SETTLE, for at most SETTLE_MAX), and then — synchronously, with no await
+in between, so no call can start meanwhile — checks again that nothing started, that the host holds no TCP
+connection to the sandbox in any state but TIME_WAIT or CLOSE (a connection closed while the sandbox is frozen
+leaves the host's FIN unacknowledged; killed frozen, the host retransmits it for minutes into the slot's address,
+which the slot's next sandbox inherits), and freezes it.
 
 The AgentClient calls `wake` before every call, proxied request and quiesce: a frozen sandbox is thawed there, a
 file write of well under a millisecond, on the event loop. Polls (journal, metrics, these looks) skip frozen
 sandboxes instead (`frozen`).
+
+Why a quiet sandbox stays unfrozen is kept (`held_back`) and logged at DEBUG, and at INFO once per reason when it has
+been quiet for HELD_LOG_S: a sandbox that never freezes says why in the server's log.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("keepstate.sandbox.idle")
 
 INTERVAL = 1.0  # seconds between rounds; the agent compares looks at least a second apart
-SETTLE = 0.05  # after closing our keep-alive connections: the sandbox answers the FINs
+SETTLE = 0.05  # after closing our keep-alive connections: how often the host's TCP table is read again
+SETTLE_MAX = 2.0  # how long the sandbox may take to answer their FINs before this look gives up
+HELD_LOG_S = 20.0  # quiet this long and still not frozen: the reason is logged at INFO (once per reason)
 MAX_BACKOFF = 16.0  # a sandbox that keeps itself busy is looked at no more often than this
 CONCURRENCY = 8  # looks in flight at once
 DEFAULT_AFTER = 2.0
@@ -105,6 +111,8 @@ class IdleFreezer:
         self._frozen: dict[str, _Frozen] = {}  # by sandbox ID
         self._sessions: set[str] = set()  # session IDs of frozen sandboxes (the journal poller's keys)
         self._looks: dict[str, _Looks] = {}
+        self.held_back: dict[str, str] = {}  # by sandbox ID: why the last look did not freeze it
+        self._told: dict[str, str] = {}  # by sandbox ID: the reason last logged at INFO
         m.agents.waker = self.wake
         m.agents.asleep = self.frozen
         if m.recorder.poller is not None:
@@ -168,6 +176,9 @@ class IdleFreezer:
                 self.wake(sandbox_id)  # killed or replaced (its teardown thaws it too): forget it
         for sandbox_id in set(self._looks) - set(present):
             del self._looks[sandbox_id]
+        for sandbox_id in set(self.held_back) - set(present):
+            del self.held_back[sandbox_id]
+            self._told.pop(sandbox_id, None)
         now = time.monotonic()
         due = [(r, pooled) for r, pooled in rows if self._quiet(r, pooled, now) and self._due(r.sandbox_id, now)]
         if due:
@@ -207,23 +218,26 @@ class IdleFreezer:
             try:
                 answer = await self.m.agents.idle(sid, row.address, row.access_token)
             except (Quiesced, RuntimeFailure, aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                log.debug("idle look at %s failed: %s", sid, exc)
+                self._hold(sid, f"the idle look failed: {exc!r}")
                 self._later(sid)
                 return
             if not answer.get("idle"):
-                self._later(sid, INTERVAL if answer.get("why") == "first look" else None)
+                first = answer.get("why") == "first look"
+                self._hold(sid, f"its agent says it is not idle: {answer.get('why')}")
+                self._later(sid, INTERVAL if first else None)
                 return
             if not pooled and not await self._journal_pulled(row, answer.get("last")):
+                self._hold(sid, "its journal is not pulled yet")
                 self._later(sid, INTERVAL)
                 return
             await self.m.agents.close_pool(sid)
-            await asyncio.sleep(SETTLE)
+            await self._settled(row.address)
         # From here to the freeze nothing awaits: no call can start in between.
         if not self._quiet(row, pooled, time.monotonic()) or self.m.agents.has_pool(sid):
             return
         tcp = host_tcp_open(row.address)
         if tcp:
-            log.debug("not freezing %s yet: the host holds TCP connections to it (states %s)", sid, tcp)
+            self._hold(sid, f"the host holds TCP connections to it (states {tcp})")
             self._later(sid, INTERVAL)
             return
         handle = handle_of(row)
@@ -231,13 +245,37 @@ class IdleFreezer:
             self.m.runtime.idle_freeze(handle)
         except RuntimeFailure as exc:
             log.warning("freezing idle sandbox %s failed: %s", sid, exc)
+            self._hold(sid, f"the freeze failed: {exc}")
             self._later(sid)
             return
         self._frozen[sid] = _Frozen(handle, row.session_id)
         if not pooled:
             self._sessions.add(row.session_id)
+        self.held_back.pop(sid, None)
+        self._told.pop(sid, None)
         self.froze += 1
         log.debug("froze idle sandbox %s (%s)", sid, row.runtime_name)
+
+    async def _settled(self, address: str) -> None:
+        """Until the host holds no TCP connection to `address` but closed ones, or SETTLE_MAX passes: the sandbox
+        answers the FINs of the connections just closed, slowly on a loaded host. (Looking again a round later
+        instead never ends for a sandbox slower than one SETTLE: every look opens and closes a connection too.)"""
+        deadline = time.monotonic() + SETTLE_MAX
+        while True:
+            await asyncio.sleep(SETTLE)
+            if not host_tcp_open(address) or time.monotonic() >= deadline:
+                return
+
+    def _hold(self, sid: str, why: str) -> None:
+        """Note why a quiet sandbox was not frozen: at DEBUG, and at INFO once per reason when it has been quiet for
+        HELD_LOG_S."""
+        self.held_back[sid] = why
+        quiet = time.monotonic() - self.m.agents.last_active(sid)
+        if quiet >= HELD_LOG_S and self._told.get(sid) != why:
+            self._told[sid] = why
+            log.info("sandbox %s, quiet for %.0f s, is not frozen: %s", sid, quiet, why)
+        else:
+            log.debug("not freezing %s: %s", sid, why)
 
     async def _journal_pulled(self, row: SandboxRow, last: object) -> bool:
         """Whether the journal poller holds every entry up to the agent's `last` (pulling now if not)."""

@@ -31,6 +31,7 @@ BOUND = 20.0  # seconds any one call or wait here may take before the test fails
 def quick_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(idle, "INTERVAL", 0.05)
     monkeypatch.setattr(idle, "MAX_BACKOFF", 0.2)
+    monkeypatch.setattr(idle, "SETTLE_MAX", 0.2)
 
 
 async def until(predicate: Callable[[], T], what: str) -> T:
@@ -88,7 +89,6 @@ async def test_an_idle_sandbox_is_frozen_and_a_call_thaws_it() -> None:
         await bounded(write_file(s, sid, token, "/home/user/b", b"after"))
         assert await bounded(read_file(s, sid, token, "/home/user/b")) == b"after"
         assert fake(s).violations == []
-        fake(s).close()
 
 
 async def test_polls_neither_wake_a_frozen_sandbox_nor_count_as_activity() -> None:
@@ -113,7 +113,6 @@ async def test_polls_neither_wake_a_frozen_sandbox_nor_count_as_activity() -> No
         assert await bounded(loops.sample_once(m, row, {}, disks))
         assert disks[sid][0] == 100  # asked the agent
         assert m.agents.last_active(sid) == before
-        fake(s).close()
 
 
 async def test_a_sandbox_running_a_command_is_never_frozen() -> None:
@@ -126,7 +125,6 @@ async def test_a_sandbox_running_a_command_is_never_frozen() -> None:
         assert not s.manager.idle.frozen(sid)
         agent.busy = False  # the command ended
         await frozen(s, sid)
-        fake(s).close()
 
 
 async def test_an_open_connection_into_a_sandbox_keeps_it_awake() -> None:
@@ -139,10 +137,33 @@ async def test_an_open_connection_into_a_sandbox_keeps_it_awake() -> None:
             looks = agent.idle_looks
             await until(lambda: agent.idle_looks >= looks + 3, "the freezer to look at it thrice")
             assert not s.manager.idle.frozen(sid)
+            assert "the host holds TCP connections to it (states ['01'])" == s.manager.idle.held_back[sid]
         finally:
             stray.close()
         await frozen(s, sid)
-        fake(s).close()
+        assert sid not in s.manager.idle.held_back
+
+
+async def test_connections_still_closing_are_waited_for_not_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connections the freezer closes before a freeze take the sandbox a moment to close (on a loaded host, more
+    than one SETTLE): the look waits for them instead of sending the sandbox round again, whose next look would
+    open and close a connection of its own and wait for that in turn."""
+    monkeypatch.setattr(idle, "SETTLE_MAX", 30.0)
+    reads: list[list[str]] = []
+    closing = iter([["05"], ["05"], ["05"]])  # FIN_WAIT2: the sandbox has not answered our FIN yet, thrice
+
+    def host_tcp_open(address: str) -> list[str]:
+        reads.append(next(closing, []))
+        return reads[-1]
+
+    async with serving(freeze_idle_after=0.1) as s:
+        sid, _ = await create(s)
+        agent = fake(s).agent(s.manager.records[sid].runtime_name)
+        monkeypatch.setattr(idle, "host_tcp_open", host_tcp_open)
+        looks = agent.idle_looks
+        await frozen(s, sid)
+        assert agent.idle_looks == looks + 1  # one look, then the freeze
+        assert reads[:4] == [["05"], ["05"], ["05"], []]
 
 
 async def test_a_pooled_sandbox_is_frozen_and_thawed_when_taken() -> None:
@@ -156,7 +177,6 @@ async def test_a_pooled_sandbox_is_frozen_and_thawed_when_taken() -> None:
         assert not fake(s).idle_frozen(handle_of(s.manager.records[sid]))
         await bounded(write_file(s, sid, token, "/home/user/a", b"pooled"))
         assert await bounded(read_file(s, sid, token, "/home/user/a")) == b"pooled"
-        fake(s).close()
 
 
 async def test_pause_resume_snapshot_fork_and_kill_of_a_frozen_sandbox() -> None:
@@ -181,7 +201,6 @@ async def test_pause_resume_snapshot_fork_and_kill_of_a_frozen_sandbox() -> None
         await bounded(s.manager.instances.drain())
         assert s.runtime.state(name) == "gone" and not s.manager.idle.frozen(sid)
         assert fake(s).violations == []
-        fake(s).close()
 
 
 async def test_a_new_server_thaws_what_it_adopts() -> None:
@@ -202,7 +221,6 @@ async def test_freeze_idle_after_0_never_freezes() -> None:
         assert not s.manager.idle.enabled
         assert not [t for t in s.manager._tasks if t.get_name() == "idle-freezer"]
         assert fake(s).agent(s.manager.records[sid].runtime_name).idle_looks == 0
-        fake(s).close()
 
 
 async def test_the_router_keeps_the_idle_look_to_the_host(served: Served) -> None:
