@@ -354,7 +354,10 @@ class Router:
                 if request.transport is not None:
                     request.transport.close()
                 return resp
-            await resp.write_eof()
+            try:
+                await resp.write_eof()
+            except ConnectionResetError:
+                return resp  # the client went away just as the answer ended: nobody to answer
             if sender is None or sender.done():
                 pool.release(conn)
                 released = True

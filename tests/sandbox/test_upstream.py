@@ -10,7 +10,9 @@ records each request as it arrived and answers as the test scripts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from keepstate.api import router
 from keepstate.sandbox import upstream
 from keepstate.sandbox.upstream import Pool
 from keepstate.testing import FakeRuntime
@@ -310,6 +313,38 @@ async def test_close_delimited_head_and_cut_answers(sandbox: tuple[Served, str, 
     assert await get(s, sid, "/h") == (200, b"12345")
     await relays_done(s, sid)
     assert pool_of(s, sid).open_count() == 1  # only the last one may be kept: the HEAD's was not
+
+
+async def test_a_client_gone_as_the_answer_ends_is_not_a_server_error(
+        sandbox: tuple[Served, str, PortServer], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client that goes away exactly as the relayed answer ends (the router's last write, its end) is gone like
+    one gone mid-stream: no "Error handling request" from aiohttp, and the router serves on."""
+    s, sid, port = sandbox
+    raised: list[BaseException] = []
+
+    async def chunked(seen: Seen, w: asyncio.StreamWriter) -> bool:  # its end is a write of its own (0 CRLF CRLF)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        return True
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if not raised and self._req is not None and self._req.transport is not None:  # noqa: SLF001
+            self._req.transport.close()  # noqa: SLF001 - the client's connection, gone at this moment
+            try:
+                await web.StreamResponse.write_eof(self, data)
+            except BaseException as exc:
+                raised.append(exc)
+                raise
+        await web.StreamResponse.write_eof(self, data)
+
+    port.answer = chunked
+    monkeypatch.setattr(router._Relayed, "write_eof", write_eof)  # noqa: SLF001
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        with contextlib.suppress(aiohttp.ClientError):  # the body may have reached it before its connection went
+            await get(s, sid, "/")
+        assert raised and isinstance(raised[0], ConnectionResetError)  # the moment this test is about
+        assert await get(s, sid, "/") == (200, b"hello")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_what_the_sandbox_sees_and_a_closed_port(sandbox: tuple[Served, str, PortServer]) -> None:
