@@ -116,17 +116,19 @@ def _bash_l_c(user: User, cmd: str) -> tuple[bytes, bytes, int]:
     return _seconds(out, start, time.time()), err, p.returncode
 
 
-# The probe's [$SECONDS]: whole seconds since the shell started (or the spare set SECONDS=0), so 1 where that
-# moment and the probe fall either side of a second's boundary.
-_PROBE_SECONDS = re.compile(rb"(\]\[\d+\]\[)(\d+)\](?=\[)")  # [$#][$SECONDS][
+# The probe's $SECONDS (in its first line, [$#][$SECONDS][, and in declare -p): whole seconds since the shell
+# started (or the spare set SECONDS=0), so 1 where that moment and the probe fall either side of a second's boundary.
+_PROBE_SECONDS = (re.compile(rb"(\]\[\d+\]\[)(\d+)(\]\[)"), re.compile(rb"(^declare -i SECONDS=\")(\d+)(\")", re.M))
 
 
 def _seconds(out: bytes, start: float, end: float) -> bytes:
     """`out` with the probe's $SECONDS checked against the run's window [start, end] and replaced by `S`."""
     def check(m: re.Match[bytes]) -> bytes:
         assert 0 <= int(m[2]) <= int(end) - int(start), f"SECONDS={m[2]!r} in a run of {end - start:.2f} s"
-        return m[1] + b"S]"
-    return _PROBE_SECONDS.sub(check, out, count=1)
+        return m[1] + b"S" + m[3]
+    for pattern in _PROBE_SECONDS:
+        out = pattern.sub(check, out, count=1)
+    return out
 
 
 def _login_spare(user: User, cmd: str, wait: float = 0.0, mode: str | None = None) -> tuple[bytes, bytes, int]:
