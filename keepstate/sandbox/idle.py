@@ -27,7 +27,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -101,6 +101,7 @@ class _Looks:
     due: float = 0.0  # monotonic time of the next look
     backoff: float = 0.0
     active: float = 0.0  # the activity mark the backoff was computed for
+    seen: float = field(default_factory=time.monotonic)  # when the freezer first looked (a pool's never called)
 
 
 class IdleFreezer:
@@ -270,7 +271,8 @@ class IdleFreezer:
         """Note why a quiet sandbox was not frozen: at DEBUG, and at INFO once per reason when it has been quiet for
         HELD_LOG_S."""
         self.held_back[sid] = why
-        quiet = time.monotonic() - self.m.agents.last_active(sid)
+        looks = self._looks.get(sid)
+        quiet = time.monotonic() - max(self.m.agents.last_active(sid), looks.seen if looks else 0.0)
         if quiet >= HELD_LOG_S and self._told.get(sid) != why:
             self._told[sid] = why
             log.info("sandbox %s, quiet for %.0f s, is not frozen: %s", sid, quiet, why)

@@ -5,6 +5,8 @@ bounded, so it fails instead)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import socket
 import sys
 import threading
@@ -125,6 +127,29 @@ async def test_a_sandbox_running_a_command_is_never_frozen() -> None:
         assert not s.manager.idle.frozen(sid)
         agent.busy = False  # the command ended
         await frozen(s, sid)
+
+
+async def test_why_a_quiet_sandbox_stays_unfrozen_is_logged_once(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A sandbox quiet for HELD_LOG_S and still not frozen says why at INFO, once per reason, with how long it has
+    been quiet (counted from the freezer's first look where nothing ever called it: a pooled sandbox)."""
+    monkeypatch.setattr(idle, "HELD_LOG_S", 0.3)
+    with caplog.at_level(logging.INFO, logger="keepstate.sandbox.idle"):
+        async with serving(freeze_idle_after=3600, pool_size=1) as s:
+            pool = await until(lambda: next(iter(s.manager.pools.values()), None), "the base pool")
+            row = (await until(lambda: pool.ready(), "a pooled sandbox"))[0]
+            agent = fake(s).agent(row.runtime_name)
+            agent.busy = True
+            s.manager.agents._active.pop(row.sandbox_id, None)  # noqa: SLF001 - as for one never called by its ID
+            started = time.monotonic()
+            s.manager.idle.after = 0.1
+            looks = agent.idle_looks
+            await until(lambda: agent.idle_looks >= looks + 8, "the freezer to look at it many times")
+            told = [r.getMessage() for r in caplog.records if row.sandbox_id in r.getMessage()]
+            assert s.manager.idle.held_back[row.sandbox_id] == "its agent says it is not idle: a command runs"
+            assert len(told) == 1 and told[0].endswith("is not frozen: its agent says it is not idle: a command runs")
+            quiet = re.search(r"quiet for (\d+) s", told[0])
+            assert quiet is not None and int(quiet[1]) <= time.monotonic() - started + 1, told[0]
 
 
 async def test_an_open_connection_into_a_sandbox_keeps_it_awake() -> None:
