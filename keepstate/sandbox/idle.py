@@ -270,9 +270,12 @@ class IdleFreezer:
     def _hold(self, sid: str, why: str) -> None:
         """Note why a quiet sandbox was not frozen: at DEBUG, and at INFO once per reason when it has been quiet for
         HELD_LOG_S."""
-        self.held_back[sid] = why
         looks = self._looks.get(sid)
-        quiet = time.monotonic() - max(self.m.agents.last_active(sid), looks.seen if looks else 0.0)
+        if looks is None:  # thawed or gone while it was looked at: nothing is held back
+            log.debug("not freezing %s: %s (and it was woken or went meanwhile)", sid, why)
+            return
+        self.held_back[sid] = why
+        quiet = time.monotonic() - max(self.m.agents.last_active(sid), looks.seen)
         if quiet >= HELD_LOG_S and self._told.get(sid) != why:
             self._told[sid] = why
             log.info("sandbox %s, quiet for %.0f s, is not frozen: %s", sid, quiet, why)

@@ -149,6 +149,10 @@ def test_errors_are_json_and_no_response_carries_a_value(own: dict[str, Any]) ->
         assert r.status_code == 200 and r.json()["currentVersion"] == 2
         seen.append(r := c.get("/secrets/raw"))
         assert r.status_code == 200 and r.json()["secretID"] == sid
+        # A second secret of this test's own: a page of one then has a next page whichever tests ran before this
+        # one on this server (under xdist, this module's tests are shared out between workers, each with a server).
+        seen.append(r := c.post("/secrets", json={"name": "raw-two", "value": value()}))
+        assert r.status_code == 201
         seen.append(r := c.get("/secrets", params={"limit": 1}))
         assert r.status_code == 200 and r.headers["x-next-token"] != ""
         seen.append(r := c.get("/secrets", params={"nextToken": r.headers["x-next-token"], "limit": 100}))
@@ -178,6 +182,8 @@ def test_errors_are_json_and_no_response_carries_a_value(own: dict[str, Any]) ->
         assert r.status_code == 204
         seen.append(r := c.delete("/secrets/raw"))
         json_error(r, 404, "not found")
+        seen.append(r := c.delete("/secrets/raw-two"))
+        assert r.status_code == 204
         for r in seen:
             no_value_in(r)
 
