@@ -4,7 +4,8 @@
 
 Starts its own KeepState server (pool of 2 `base` sandboxes), creates one sandbox with the stock e2b SDK and
 times, round-robin so that the host's noise falls on every variant alike:
-  * sdk        sbx.commands.run("true") back to back (what benchmarks/sandbox.py times), and after 0.5 s idle
+  * sdk        sbx.commands.run("true") back to back (what benchmarks/sandbox.py times), and after 0.5 s idle;
+               then, apart from the rounds, as many commands one after another with no pause
   * router     one raw Connect Start (`/bin/bash -l -c true`) through the server's router, httpx keep-alive
   * direct     the same request straight to the agent (the sandbox's address, port 49983)
   * direct -c  `/bin/bash -c true` (no login scripts), straight to the agent
@@ -126,6 +127,13 @@ def main() -> None:
         print(f"\nround trips, {args.rounds} interleaved rounds (ms)    p50     p95")
         for name, s in samples.items():
             print(f"  {name:34s} {median(s):6.1f}  {pct(s, 95):6.1f}")
+        in_a_row = []
+        for _ in range(args.rounds):  # one after another with no pause, as a script's commands come
+            t = time.perf_counter()
+            sbx.commands.run("true")
+            in_a_row.append((time.perf_counter() - t) * 1000)
+        print(f"  {'sdk commands.run, ' + str(args.rounds) + ' in a row':34s} {median(in_a_row):6.1f}  "
+              f"{pct(in_a_row, 95):6.1f}")
 
         script = (
             "for c in 'bash -l -c true' 'bash -c true' '/usr/bin/true'; do a=(); for i in $(seq 30); do "

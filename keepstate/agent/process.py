@@ -26,7 +26,8 @@ from keepstate.agent.journal import Journal
 from keepstate.agent.own_tools import IMAGE_SETPRIV, setpriv_command
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
-from keepstate.agent.spare import Spares, login_mode
+from keepstate.agent.spare import Spares, identity_of, login_mode
+from keepstate.agent.spawn import Started, spawn
 from keepstate.agent.users import User, group_list
 
 RETAIN_EXITED_S = 30.0
@@ -196,7 +197,8 @@ def _resolve_program(cmd: str, env: dict[str, str]) -> str:
 
 
 def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[list[str], PopenIdentity]:
-    """argv and Popen identity arguments to run `argv` as `user`.
+    """argv and Popen identity arguments to run `argv` as `user`, where spawn.py cannot (one exec fewer; sudo's
+    commands, which are root's or another user's, still come here).
 
     Python's subprocess falls back from vfork to fork when asked to change uid/gid/groups, and a fork of the agent
     costs 25-35 ms in gVisor, during which the event loop waits for the child's exec. `setpriv` (util-linux)
@@ -236,7 +238,7 @@ class ManagedProcess:
         self.pid = self._popen.pid
 
     # --- lifecycle -------------------------------------------------------------------------------------------
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> Started:
         spec = self.spec
         common: _PopenCommon = {
             "cwd": spec.cwd, "env": spec.env, "umask": 0o022, "start_new_session": True, "close_fds": True,
@@ -245,7 +247,7 @@ class ManagedProcess:
         try:
             if spec.pty_size is not None:
                 return self._spawn_pty(argv, common, _identity_kwargs(spec.user))
-            popen = self._from_spare(argv)
+            popen: Started | None = self._from_spare(argv) or self._as_user(argv)
             if popen is None:
                 argv, identity = pipe_spawn_argv(argv, spec.user, spec.env)
                 popen = subprocess.Popen(  # noqa: S603 - running the caller's command is the point
@@ -267,7 +269,17 @@ class ManagedProcess:
             self._add_reader(fd, kind)
         return popen
 
-    def _from_spare(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
+    def _as_user(self, argv: list[str]) -> Started | None:
+        """The command started as its user by a thread of that identity (spawn.py: one exec, setpriv's none).
+        None for a command of the agent's own user, or where that cannot be done: the setpriv path."""
+        user = self.spec.user
+        if os.geteuid() != 0 or user.uid == 0:
+            return None
+        program = _resolve_program(argv[0], self.spec.env)  # as pipe_spawn_argv: an unknown program is an error
+        return spawn(identity_of(user), [program, *argv[1:]], env=self.spec.env, cwd=self.spec.cwd,
+                     stdin=self.spec.stdin)
+
+    def _from_spare(self, argv: list[str]) -> Started | None:
         """The command started by one of the user's spares (spare.py): the login spare for the SDK's `bash -l -c CMD`
         of one simple command with the default environment and directory (no exec but the program's own), else the
         generic spare (what `setpriv` would have started, one exec sooner). None when there is no usable spare

@@ -1,10 +1,11 @@
 """Spare processes: a child started ahead of time as a user, waiting to become that user's next command.
 
-Under gVisor (systrap) every exec costs 10-20 ms, and running a command as another user costs one more: the agent
-(root) cannot change identity after a vfork, so it runs `setpriv ... -- bash -l -c CMD` (process.pipe_spawn_argv),
-two execs on the command's path. Spares take them off it; there are two kinds (docs/design/command-path.md):
+Under gVisor (systrap) every exec costs 10-20 ms. A command as another user takes one exec (spawn.py: posix_spawn
+from a thread that holds the user's identity), or two where that cannot be done (`setpriv ... -- bash -l -c CMD`,
+process.pipe_spawn_argv). Spares take the command's exec off its path; there are two kinds
+(docs/design/command-path.md); both are started the same way (spawn.py, else through setpriv):
 
-* A **login spare** is the login shell itself: `setpriv ... -- /bin/bash -l -c LOGIN_STUB`, started with exactly
+* A **login spare** is the login shell itself: `/bin/bash -l -c LOGIN_STUB` as the user, started with exactly
   what the SDK's usual command gets (the default environment and working directory, stdin on /dev/null, stdout and
   stderr pipes to the agent, new session, umask 022). bash runs the login scripts, then the stub blocks reading a
   pipe. A `bash -l -c CMD` request with that same environment and directory and no stdin (what `commands.run(cmd)`
@@ -16,12 +17,12 @@ two execs on the command's path. Spares take them off it; there are two kinds (d
   builtin's /proc/PID/cmdline shows the stub; the login scripts ran before the command came). A login spare is used
   only while its user's ids, its environment and directory, and the login scripts it read (their inode, size and
   times) are unchanged; otherwise it is thrown away and made again.
-* A **generic spare** is `setpriv ... -- perl -e STUB`: for any other command, it receives argv, environment, cwd
+* A **generic spare** is `perl -e STUB` as the user: for any other command, it receives argv, environment, cwd
   and whether there is stdin, sets them up and execs the command (the same process setpriv would have started).
 
 Spares are made after /init (a login spare) and once the sandbox has been idle for IDLE_S after a command (the
 login spare, and the generic one once a command of that user could not use the login spare): making one costs
-~35-45 ms of the sandbox's CPU, so spares made while commands follow each other back to back would slow the next of
+~25-45 ms of the sandbox's CPU, so spares made while commands follow each other back to back would slow the next of
 them down (measured: every command ~30 ms slower). PTY processes and root's commands do not use spares.
 """
 
@@ -35,6 +36,7 @@ import secrets
 import subprocess
 from collections.abc import Callable, Sequence
 
+from keepstate.agent.spawn import Started, spawn
 from keepstate.agent.users import User, files_state, group_list
 
 # The generic stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's
@@ -136,15 +138,18 @@ def encode_login(mode: str, word: str, cmd: str, env: dict[str, str]) -> bytes:
 
 
 class _Waiting:
-    """A child started with a control pipe's read end; `popen` is the command's Popen once `run` was called."""
+    """A child started as `user` with a control pipe's read end; `popen` is the command's process once `run` was
+    called. Started by spawn.py (one exec), else through setpriv."""
 
-    def __init__(self, argv: list[str], read_end: int, ctl: int, *, stdin: int, cwd: str,
-                 env: dict[str, str]) -> None:
+    def __init__(self, setpriv: Sequence[str], user: User, argv: list[str], read_end: int, ctl: int, *,
+                 stdin: bool, cwd: str, env: dict[str, str]) -> None:
         self._ctl = ctl
         try:
-            self.popen = subprocess.Popen(  # noqa: S603 - our own stub, as the user
-                argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,),
-                cwd=cwd, env=env, umask=0o022, start_new_session=True, close_fds=True,
+            started = spawn(identity_of(user), argv, env=env, cwd=cwd, stdin=stdin, pass_fd=(read_end, read_end))
+            self.popen: Started = started if started is not None else subprocess.Popen(  # noqa: S603 - our stub
+                [*setpriv, *_setpriv_args(user), *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,), cwd=cwd, env=env,
+                umask=0o022, start_new_session=True, close_fds=True,
             )
         except BaseException:
             os.close(ctl)
@@ -186,8 +191,8 @@ class Spare(_Waiting):
     def __init__(self, setpriv: str | Sequence[str], user: User) -> None:
         self.identity = identity_of(user)
         read_end, ctl = os.pipe()
-        super().__init__([*_argv(setpriv), *_setpriv_args(user), PERL, "-e", STUB, str(read_end)], read_end, ctl,
-                         stdin=subprocess.PIPE, cwd="/", env={})
+        super().__init__(_argv(setpriv), user, [PERL, "-e", STUB, str(read_end)], read_end, ctl, stdin=True, cwd="/",
+                         env={})
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bool) -> None:
         """Become the command. Raises OSError if the spare is gone (the caller discards it)."""
@@ -205,9 +210,8 @@ class LoginSpare(_Waiting):
         self.scripts = login_scripts(user)
         self.scripts_state = files_state(self.scripts)
         read_end, ctl = os.pipe()
-        super().__init__([*_argv(setpriv), *_setpriv_args(user), BASH, "-l", "-c",
-                          LOGIN_STUB.replace("FD", str(read_end))], read_end, ctl,
-                         stdin=subprocess.DEVNULL, cwd=cwd, env=env)
+        super().__init__(_argv(setpriv), user, [BASH, "-l", "-c", LOGIN_STUB.replace("FD", str(read_end))], read_end,
+                         ctl, stdin=False, cwd=cwd, env=env)
 
     def fits(self, user: User, env: dict[str, str], cwd: str) -> bool:
         return (env == self.env and cwd == self.cwd and self.identity == identity_of(user)
