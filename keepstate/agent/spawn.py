@@ -34,17 +34,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
-# setgroups, setresgid, setresuid, unshare
-_SYSCALLS = {"x86_64": (116, 119, 117, 272), "aarch64": (159, 149, 147, 97)}
+# setgroups, setresgid, setresuid, unshare, rt_sigaction
+_SYSCALLS = {"x86_64": (116, 119, 117, 272, 13), "aarch64": (159, 149, 147, 97, 134)}
 CLONE_FS = 0x200
 UMASK = 0o022
 Identity = tuple[int, int, tuple[int, ...]]  # uid, gid, supplementary groups
-# Set to their defaults in the child: SIGPIPE and SIGXFSZ, which Python ignores (Popen's restore_signals), and
-# glibc's internal signals (32 up to SIGRTMIN), which its posix_spawn otherwise leaves ignored in the child where
-# an exec from Popen leaves them at their defaults (SigIgn 0x180000000 in /proc/PID/status). glibc's sigaddset
-# refuses those two, so os.posix_spawn cannot name them: posix_spawn is called through ctypes with the set's bits
-# written directly (which also lets other threads run while it waits for the child's exec).
-DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, *range(32, signal.SIGRTMIN))
+# Set to their defaults in the child: SIGPIPE and SIGXFSZ, which Python ignores (Popen's restore_signals). glibc's
+# internal signals (32 up to SIGRTMIN) are inherited as an exec from Popen leaves them: ignored where the agent
+# ignores them (it may have inherited that), else at their defaults; glibc's posix_spawn would leave them ignored
+# in the child unless they are in the set to default, and its sigaddset refuses them, so os.posix_spawn cannot
+# name them: posix_spawn is called through ctypes with the set's bits written directly (which also lets other
+# threads run while it waits for the child's exec), and the agent's own disposition is read with the raw
+# rt_sigaction (glibc's sigaction refuses those signals too).
+ALWAYS_DEFAULT = (signal.SIGPIPE, signal.SIGXFSZ)
+INTERNAL_SIGNALS = tuple(range(32, signal.SIGRTMIN))
+SIG_IGN = 1
 SETSIGDEF, SETSIGMASK, SETSID = 0x04, 0x08, 0x80  # glibc's POSIX_SPAWN_* flags
 _WORD = 8 * ctypes.sizeof(ctypes.c_ulong)
 _SigSet = ctypes.c_ulong * (1024 // _WORD)  # glibc's sigset_t
@@ -163,7 +167,7 @@ class _AsUser:
         numbers = _SYSCALLS.get(platform.machine())
         if numbers is None or os.geteuid() != 0:
             raise OSError("no per-thread identity here")
-        setgroups, setresgid, setresuid, unshare = numbers
+        setgroups, setresgid, setresuid, unshare, _ = numbers
         uid, gid, groups = self.identity
         libc = _libc()
         array = (ctypes.c_uint * max(len(groups), 1))(*groups)
@@ -208,6 +212,14 @@ def _sigset(signals: Sequence[int]) -> ctypes.Array[ctypes.c_ulong]:
     return bits
 
 
+def _ignored(sig: int) -> bool:
+    """Whether the agent ignores `sig` (the raw rt_sigaction: glibc's refuses its internal signals)."""
+    old = (ctypes.c_ulong * 8)()  # the kernel's struct sigaction, its handler first
+    if _libc().syscall(_SYSCALLS[platform.machine()][4], sig, None, old, 8) != 0:
+        raise OSError(ctypes.get_errno(), f"rt_sigaction({sig})")
+    return bool(old[0] == SIG_IGN)
+
+
 def _check(err: int) -> None:
     if err:
         raise OSError(err, os.strerror(err))
@@ -221,7 +233,8 @@ def _cstrings(items: Sequence[str]) -> ctypes.Array[ctypes.c_char_p]:
 
 
 def _posix_spawn(job: _Job) -> int:
-    """glibc's posix_spawn of job.argv[0] in a new session, signal mask empty, DEFAULT_SIGNALS at their defaults."""
+    """glibc's posix_spawn of job.argv[0] in a new session, signal mask empty, ALWAYS_DEFAULT at their defaults and
+    glibc's internal signals as an exec would leave them."""
     libc = _libc()
     file_actions, attr = ctypes.create_string_buffer(512), ctypes.create_string_buffer(1024)  # 80 and 336 bytes
     args, envp = _cstrings(job.argv), _cstrings([f"{k}={v}" for k, v in job.env.items()])
@@ -236,7 +249,8 @@ def _posix_spawn(job: _Job) -> int:
         _check(libc.posix_spawnattr_init(attr))
         try:
             _check(libc.posix_spawnattr_setflags(attr, SETSIGDEF | SETSIGMASK | SETSID))
-            _check(libc.posix_spawnattr_setsigdefault(attr, _sigset(DEFAULT_SIGNALS)))
+            defaults = (*ALWAYS_DEFAULT, *(sig for sig in INTERNAL_SIGNALS if not _ignored(sig)))
+            _check(libc.posix_spawnattr_setsigdefault(attr, _sigset(defaults)))
             _check(libc.posix_spawnattr_setsigmask(attr, _sigset(())))
             pid = ctypes.c_int()
             _check(libc.posix_spawn(ctypes.byref(pid), args[0], file_actions, attr, args, envp))

@@ -5,7 +5,10 @@ setpriv path."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
+import platform
+import re
 import tempfile
 import threading
 
@@ -43,6 +46,31 @@ def test_child_sees_what_setpriv_gives(stdin: bytes | None) -> None:
     ours, theirs = _spawned(argv, env, "/tmp", stdin), _setpriv_run(argv, env, "/tmp", stdin)
     assert ours == theirs
     assert b"uid=65534" in ours[0] and f"parent {os.getpid()}\n".encode() in ours[0] and ours[2] == 0
+
+
+def _raw_sigaction(sig: int, new: ctypes.Array[ctypes.c_ulong] | None) -> ctypes.Array[ctypes.c_ulong]:
+    old = (ctypes.c_ulong * 8)()
+    number = spawn_module._SYSCALLS[platform.machine()][4]  # noqa: SLF001
+    assert ctypes.CDLL(None, use_errno=True).syscall(number, sig, new, old, 8) == 0
+    return old
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_glibcs_internal_signals_are_inherited_as_through_an_exec(ignored: bool) -> None:
+    """An agent that inherited signal 32 ignored (glibc's SIGCANCEL: a CI runner's shell left it so) passes that on,
+    as an exec does; one that has it at its default passes the default on, though glibc's posix_spawn would have
+    left it ignored."""
+    ign = (ctypes.c_ulong * 8)(spawn_module.SIG_IGN)
+    dfl = (ctypes.c_ulong * 8)(0)
+    old = _raw_sigaction(32, ign if ignored else dfl)
+    try:
+        argv = ["/bin/sh", "-c", "grep -E '^Sig(Ign|Blk|Cgt):' /proc/self/status"]
+        ours, theirs = _spawned(argv, {}, "/", None), _setpriv_run(argv, {}, "/", None)
+    finally:
+        _raw_sigaction(32, old)
+    assert ours == theirs
+    ignoring = int(re.search(rb"SigIgn:\t([0-9a-f]+)", ours[0])[1], 16)  # type: ignore[index]
+    assert bool(ignoring & (1 << 31)) == ignored and not ignoring & (1 << 32)
 
 
 def test_the_agent_keeps_its_directory_umask_and_identity() -> None:
