@@ -102,6 +102,8 @@ class _Looks:
     backoff: float = 0.0
     active: float = 0.0  # the activity mark the backoff was computed for
     seen: float = field(default_factory=time.monotonic)  # when the freezer first looked (a pool's never called)
+    held: str = ""  # why the last look did not freeze it
+    told: str = ""  # the reason last logged at INFO
 
 
 class IdleFreezer:
@@ -111,9 +113,7 @@ class IdleFreezer:
         self.froze = 0  # freezes so far (tests, logs)
         self._frozen: dict[str, _Frozen] = {}  # by sandbox ID
         self._sessions: set[str] = set()  # session IDs of frozen sandboxes (the journal poller's keys)
-        self._looks: dict[str, _Looks] = {}
-        self.held_back: dict[str, str] = {}  # by sandbox ID: why the last look did not freeze it
-        self._told: dict[str, str] = {}  # by sandbox ID: the reason last logged at INFO
+        self._looks: dict[str, _Looks] = {}  # by sandbox ID, while it is not frozen
         m.agents.waker = self.wake
         m.agents.asleep = self.frozen
         if m.recorder.poller is not None:
@@ -128,6 +128,11 @@ class IdleFreezer:
 
     def frozen_ids(self) -> list[str]:
         return sorted(self._frozen)
+
+    def held_back(self, sandbox_id: str) -> str | None:
+        """Why the freezer's last look at this quiet sandbox did not freeze it; None if it has not said."""
+        looks = self._looks.get(sandbox_id)
+        return (looks.held or None) if looks is not None else None
 
     def wake(self, sandbox_id: str) -> None:
         """Thaw the sandbox if we froze it (the AgentClient's waker: synchronous, before any connection)."""
@@ -177,9 +182,6 @@ class IdleFreezer:
                 self.wake(sandbox_id)  # killed or replaced (its teardown thaws it too): forget it
         for sandbox_id in set(self._looks) - set(present):
             del self._looks[sandbox_id]
-        for sandbox_id in set(self.held_back) - set(present):
-            del self.held_back[sandbox_id]
-            self._told.pop(sandbox_id, None)
         now = time.monotonic()
         due = [(r, pooled) for r, pooled in rows if self._quiet(r, pooled, now) and self._due(r.sandbox_id, now)]
         if due:
@@ -252,8 +254,7 @@ class IdleFreezer:
         self._frozen[sid] = _Frozen(handle, row.session_id)
         if not pooled:
             self._sessions.add(row.session_id)
-        self.held_back.pop(sid, None)
-        self._told.pop(sid, None)
+        self._looks.pop(sid, None)  # looked at afresh once thawed
         self.froze += 1
         log.debug("froze idle sandbox %s (%s)", sid, row.runtime_name)
 
@@ -274,10 +275,10 @@ class IdleFreezer:
         if looks is None:  # thawed or gone while it was looked at: nothing is held back
             log.debug("not freezing %s: %s (and it was woken or went meanwhile)", sid, why)
             return
-        self.held_back[sid] = why
+        looks.held = why
         quiet = time.monotonic() - max(self.m.agents.last_active(sid), looks.seen)
-        if quiet >= HELD_LOG_S and self._told.get(sid) != why:
-            self._told[sid] = why
+        if quiet >= HELD_LOG_S and looks.told != why:
+            looks.told = why
             log.info("sandbox %s, quiet for %.0f s, is not frozen: %s", sid, quiet, why)
         else:
             log.debug("not freezing %s: %s", sid, why)

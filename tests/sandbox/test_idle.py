@@ -146,7 +146,7 @@ async def test_why_a_quiet_sandbox_stays_unfrozen_is_logged_once(monkeypatch: py
             looks = agent.idle_looks
             await until(lambda: agent.idle_looks >= looks + 8, "the freezer to look at it many times")
             told = [r.getMessage() for r in caplog.records if row.sandbox_id in r.getMessage()]
-            assert s.manager.idle.held_back[row.sandbox_id] == "its agent says it is not idle: a command runs"
+            assert s.manager.idle.held_back(row.sandbox_id) == "its agent says it is not idle: a command runs"
             assert len(told) == 1 and told[0].endswith("is not frozen: its agent says it is not idle: a command runs")
             quiet = re.search(r"quiet for (\d+) s", told[0])
             assert quiet is not None and int(quiet[1]) <= time.monotonic() - started + 1, told[0]
@@ -162,11 +162,11 @@ async def test_an_open_connection_into_a_sandbox_keeps_it_awake() -> None:
             looks = agent.idle_looks
             await until(lambda: agent.idle_looks >= looks + 3, "the freezer to look at it thrice")
             assert not s.manager.idle.frozen(sid)
-            assert "the host holds TCP connections to it (states ['01'])" == s.manager.idle.held_back[sid]
+            assert "the host holds TCP connections to it (states ['01'])" == s.manager.idle.held_back(sid)
         finally:
             stray.close()
         await frozen(s, sid)
-        assert sid not in s.manager.idle.held_back
+        assert s.manager.idle.held_back(sid) is None
 
 
 async def test_connections_still_closing_are_waited_for_not_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
