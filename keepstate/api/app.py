@@ -167,6 +167,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 
         gw_config = GatewayConfig.from_file(config.gateway_config)
         gw_config.data_dir = config.home
+        gw_config.forget_key_variables()  # read: no process the server starts (runsc, nft, ip...) inherits them
         gateway_app = create_gateway_app(gw_config)
         gateway = gateway_app[GATEWAY]
     manager = SandboxManager(catalog, runtime, templates=templates, recorder=recorder, durable=durable,

@@ -27,6 +27,7 @@ class ProviderConfig:
     api_key: str
     models: tuple[str, ...]
     stats_url: str | None = None  # a provider-side count of calls and tokens, for `ledger reconcile`
+    api_key_env: str | None = None  # the environment variable the key was read from, if it was
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, m) for m in self.models)
@@ -58,6 +59,13 @@ class GatewayConfig:
             if p.kind == kind and p.serves(model):
                 return p
         return None
+
+    def forget_key_variables(self) -> None:
+        """Drop the environment variables the providers' keys were read from (`api_key_env`) from this process's
+        environment, as the server does KEEPSTATE_SECRETS_KEY: the processes it starts then never hold them."""
+        for provider in self.providers:
+            if provider.api_key_env:
+                os.environ.pop(provider.api_key_env, None)
 
     @classmethod
     def from_file(cls, path: str | Path) -> GatewayConfig:
@@ -107,4 +115,5 @@ def _provider(p: dict[str, Any]) -> ProviderConfig:
         if key is None:
             raise ConfigError(f"provider {name}: environment variable {p['api_key_env']} is not set")
     models = p.get("models") or ["*"]
-    return ProviderConfig(name, kind, base_url, str(key or ""), tuple(models), p.get("stats_url") or None)
+    return ProviderConfig(name, kind, base_url, str(key or ""), tuple(models), p.get("stats_url") or None,
+                          p.get("api_key_env") if p.get("api_key") is None else None)

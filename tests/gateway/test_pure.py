@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,9 @@ def test_config_from_toml_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         'api_key_env = "KS_TEST_KEY"\nmodels = ["gpt-*"]\n[budgets]\nkeys = { k1 = 2.5 }\n')
     cfg = GatewayConfig.from_file(tmp_path / "g.toml")
     assert cfg.data_dir == tmp_path / "data" and cfg.providers[0].api_key == "sk-env"
+    assert cfg.providers[0].api_key_env == "KS_TEST_KEY"
+    cfg.forget_key_variables()  # what the server does once it has read its config
+    assert "KS_TEST_KEY" not in os.environ and cfg.providers[0].api_key == "sk-env"
     assert cfg.providers[0].base_url == "http://127.0.0.1:1/v1" and cfg.key_budgets_usd == {"k1": 2.5}
     assert cfg.provider_for("openai", "gpt-x") is not None and cfg.provider_for("anthropic", "gpt-x") is None
     (tmp_path / "g.json").write_text(json.dumps({"providers": [{"name": "a", "kind": "other", "base_url": "x"}]}))
