@@ -10,8 +10,9 @@ times, round-robin so that the host's noise falls on every variant alike:
   * direct     the same request straight to the agent (the sandbox's address, port 49983)
   * direct -c  `/bin/bash -c true` (no login scripts), straight to the agent
   * direct true  `/usr/bin/true` (no bash at all), straight to the agent
-and, inside the sandbox, the process alone (`bash -l -c true`, `bash -c true`, `true`, timed with $EPOCHREALTIME
-in a loop), plus a `PS4='+ $EPOCHREALTIME '` trace of the login scripts. Also lists the HTTP requests one
+and, inside the sandbox, a new process alone (posix_spawn of a static program, of `true`, `bash -c true`,
+`bash -l -c true`, as the agent starts commands; a bash subshell's fork; a fork of python3), plus a
+`PS4='+ $EPOCHREALTIME '` trace of the login scripts. Also lists the HTTP requests one
 Sandbox.create() + commands.run() makes. Every request goes to loopback or to the sandbox's address.
 """
 
@@ -32,6 +33,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, pct, server  # noqa: E402
 
 START = "/process.Process/Start"
+# Run in the sandbox: what a new process costs there, started as the agent starts commands (posix_spawn, a vfork
+# and an exec), and by a fork. The floor of any command that is given a process of its own when it comes.
+FLOOR = r"""
+import os, statistics, time
+def timed(go, n=30):
+    go()
+    xs = []
+    for _ in range(n):
+        t = time.perf_counter(); go(); xs.append((time.perf_counter() - t) * 1000)
+    return statistics.median(xs)
+def spawned(*argv):
+    def go():
+        os.waitpid(os.posix_spawn(argv[0], list(argv), {"PATH": "/usr/bin:/bin"},
+                                  file_actions=[(os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0)]), 0)
+    return go
+def forked():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+rows = [("posix_spawn a static program (ldconfig --version)", timed(spawned("/sbin/ldconfig", "--version"))),
+        ("posix_spawn /usr/bin/true (dynamic)", timed(spawned("/usr/bin/true"))),
+        ("posix_spawn bash -c true", timed(spawned("/bin/bash", "-c", "true"))),
+        ("posix_spawn bash -l -c true", timed(spawned("/bin/bash", "-l", "-c", "true"))),
+        ("fork of this python3", timed(forked))]
+loop = timed(spawned("/bin/bash", "-c", "for i in {1..30}; do ( : ); done"), 10)
+rows.append(("a bash subshell ( : ): (bash -c with 30 - bash -c true) / 30", (loop - rows[2][1]) / 30))
+for name, ms in rows:
+    print(f"  {name:62s} p50 {ms:6.1f} ms")
+"""
 
 
 def envelope(message: bytes) -> bytes:
@@ -135,13 +166,9 @@ def main() -> None:
         print(f"  {'sdk commands.run, ' + str(args.rounds) + ' in a row':34s} {median(in_a_row):6.1f}  "
               f"{pct(in_a_row, 95):6.1f}")
 
-        script = (
-            "for c in 'bash -l -c true' 'bash -c true' '/usr/bin/true'; do a=(); for i in $(seq 30); do "
-            "s=$EPOCHREALTIME; $c; e=$EPOCHREALTIME; a+=($(( (${e/./}-${s/./}) ))); done; "
-            "printf '%s ' \"$c\"; printf '%s\\n' \"${a[@]}\" | sort -n | sed -n 15p; done"
-        )
-        print("\ninside the sandbox, as user, p50 of 30 (µs):")
-        print(sbx.commands.run(script).stdout)
+        sbx.files.write("/tmp/floor.py", FLOOR)
+        print("\ninside the sandbox, as user: a new process, what it costs here before any command runs")
+        print(sbx.commands.run("python3 /tmp/floor.py").stdout)
         trace = sbx.commands.run("PS4='+ $EPOCHREALTIME ${BASH_SOURCE##*/}:$LINENO ' bash -lxc true 2>&1 | head -80")
         print("login-shell trace (`bash -lxc true`):")
         print(trace.stdout)

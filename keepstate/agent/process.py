@@ -26,9 +26,9 @@ from keepstate.agent.journal import Journal
 from keepstate.agent.own_tools import IMAGE_SETPRIV, setpriv_command
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent, ProcessInfo
 from keepstate.agent.reaper import REAPER, ChildReaper
-from keepstate.agent.spare import Spares, identity_of, login_mode
+from keepstate.agent.spare import Spares, login_mode
 from keepstate.agent.spawn import Started, spawn
-from keepstate.agent.users import User, group_list
+from keepstate.agent.users import User, group_list, identity_of, setpriv_flags
 
 RETAIN_EXITED_S = 30.0
 # After the child exits, wait this long for its pipes to reach EOF: a background grandchild that inherited
@@ -208,10 +208,7 @@ def pipe_spawn_argv(argv: list[str], user: User, env: dict[str, str]) -> tuple[l
     command = setpriv()
     if not identity or command is None:
         return argv, identity
-    groups = ",".join(str(g) for g in group_list(user.name, user.gid))
-    program = _resolve_program(argv[0], env)
-    return [*command, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--", program,
-            *argv[1:]], {}
+    return [*command, *setpriv_flags(user), _resolve_program(argv[0], env), *argv[1:]], {}
 
 
 class ManagedProcess:

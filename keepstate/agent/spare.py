@@ -37,7 +37,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 
 from keepstate.agent.spawn import Started, spawn
-from keepstate.agent.users import User, files_state, group_list
+from keepstate.agent.users import User, files_state, identity_of, setpriv_flags
 
 # The generic stub, in Perl (perl-base is Essential in Debian): its start-up costs ~30 ms under gVisor, Python's
 # (-I -S) ~55 ms. Core builtins only (no `use`). It names itself `keepstate-spare` in `ps`.
@@ -104,15 +104,6 @@ def _argv(setpriv: str | Sequence[str]) -> list[str]:
     return [setpriv] if isinstance(setpriv, str) else list(setpriv)
 
 
-def identity_of(user: User) -> tuple[int, int, tuple[int, ...]]:
-    return user.uid, user.gid, tuple(group_list(user.name, user.gid))
-
-
-def _setpriv_args(user: User) -> list[str]:
-    uid, gid, groups = identity_of(user)
-    return [f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--"]
-
-
 def login_scripts(user: User) -> tuple[str, ...]:
     """The files a login bash reads (Debian's chain). A file added to /etc/profile.d changes the directory's times."""
     home = user.home.rstrip("/")
@@ -147,7 +138,7 @@ class _Waiting:
         try:
             started = spawn(identity_of(user), argv, env=env, cwd=cwd, stdin=stdin, pass_fd=(read_end, read_end))
             self.popen: Started = started if started is not None else subprocess.Popen(  # noqa: S603 - our stub
-                [*setpriv, *_setpriv_args(user), *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                [*setpriv, *setpriv_flags(user), *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, pass_fds=(read_end,), cwd=cwd, env=env,
                 umask=0o022, start_new_session=True, close_fds=True,
             )

@@ -32,13 +32,24 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import IO, NamedTuple, Protocol
 
-# setgroups, setresgid, setresuid, unshare, rt_sigaction
-_SYSCALLS = {"x86_64": (116, 119, 117, 272, 13), "aarch64": (159, 149, 147, 97, 134)}
+from keepstate.agent.users import Ids
+
+
+class _Numbers(NamedTuple):
+    """The system calls made raw, by number (glibc's wrappers act on every thread, or refuse glibc's signals)."""
+
+    setgroups: int
+    setresgid: int
+    setresuid: int
+    unshare: int
+    rt_sigaction: int
+
+
+_SYSCALLS = {"x86_64": _Numbers(116, 119, 117, 272, 13), "aarch64": _Numbers(159, 149, 147, 97, 134)}
 CLONE_FS = 0x200
 UMASK = 0o022
-Identity = tuple[int, int, tuple[int, ...]]  # uid, gid, supplementary groups
 # Set to their defaults in the child: SIGPIPE and SIGXFSZ, which Python ignores (Popen's restore_signals). glibc's
 # internal signals (32 up to SIGRTMIN) are inherited as an exec from Popen leaves them: ignored where the agent
 # ignores them (it may have inherited that), else at their defaults; glibc's posix_spawn would leave them ignored
@@ -155,7 +166,7 @@ class _Job:
 class _AsUser:
     """One thread that has become `identity` and starts children on request."""
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Ids) -> None:
         self.identity = identity
         self.ok = False
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
@@ -167,13 +178,12 @@ class _AsUser:
         numbers = _SYSCALLS.get(platform.machine())
         if numbers is None or os.geteuid() != 0:
             raise OSError("no per-thread identity here")
-        setgroups, setresgid, setresuid, unshare, _ = numbers
         uid, gid, groups = self.identity
         libc = _libc()
         array = (ctypes.c_uint * max(len(groups), 1))(*groups)
         calls: list[tuple[int, tuple[object, ...]]] = [
-            (unshare, (CLONE_FS,)), (setgroups, (len(groups), array)), (setresgid, (gid, gid, gid)),
-            (setresuid, (uid, uid, uid))]
+            (numbers.unshare, (CLONE_FS,)), (numbers.setgroups, (len(groups), array)),
+            (numbers.setresgid, (gid, gid, gid)), (numbers.setresuid, (uid, uid, uid))]
         for number, args in calls:
             if libc.syscall(number, *args) != 0:
                 raise OSError(ctypes.get_errno(), f"system call {number}")
@@ -215,7 +225,7 @@ def _sigset(signals: Sequence[int]) -> ctypes.Array[ctypes.c_ulong]:
 def _ignored(sig: int) -> bool:
     """Whether the agent ignores `sig` (the raw rt_sigaction: glibc's refuses its internal signals)."""
     old = (ctypes.c_ulong * 8)()  # the kernel's struct sigaction, its handler first
-    if _libc().syscall(_SYSCALLS[platform.machine()][4], sig, None, old, 8) != 0:
+    if _libc().syscall(_SYSCALLS[platform.machine()].rt_sigaction, sig, None, old, 8) != 0:
         raise OSError(ctypes.get_errno(), f"rt_sigaction({sig})")
     return bool(old[0] == SIG_IGN)
 
@@ -273,11 +283,11 @@ def _libc() -> ctypes.CDLL:
     return _LIBC
 
 
-_threads: dict[Identity, _AsUser] = {}
+_threads: dict[Ids, _AsUser] = {}
 _lock = threading.Lock()
 
 
-def _as_user(identity: Identity) -> _AsUser:
+def _as_user(identity: Ids) -> _AsUser:
     with _lock:
         thread = _threads.get(identity)
         if thread is None:
@@ -299,7 +309,7 @@ def _inheritable(keep: set[int]) -> list[int]:
     return found
 
 
-def spawn(identity: Identity, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bool,
+def spawn(identity: Ids, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bool,
           pass_fd: tuple[int, int] | None = None) -> Child | None:
     """Start `argv[0]` (a path) as `identity` in `cwd`, in a new session, umask 022, SIGPIPE and SIGXFSZ at their
     defaults, stdout and stderr pipes to the agent, stdin a pipe (`stdin`) or /dev/null; `pass_fd` (fd, number):

@@ -80,6 +80,19 @@ def group_list(name: str, gid: int) -> list[int]:
     return list(groups)
 
 
+Ids = tuple[int, int, tuple[int, ...]]  # uid, gid, supplementary groups (permissions.Identity has the name too)
+
+
+def identity_of(user: User) -> Ids:
+    return user.uid, user.gid, tuple(group_list(user.name, user.gid))
+
+
+def setpriv_flags(user: User) -> list[str]:
+    """setpriv's arguments (up to its `--`) to become `user`: real, effective and saved ids, and its groups."""
+    uid, gid, groups = identity_of(user)
+    return [f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}", "--"]
+
+
 def resolve_path(path: str, user: User, default_workdir: str = "") -> str:
     """envd's rule: "" → default workdir (else home); "~"/"~/x" → home; relative → home/x; result cleaned."""
     if "\x00" in path:

@@ -17,9 +17,8 @@ import pytest
 from keepstate.agent import spawn as spawn_module
 from keepstate.agent.process import SETPRIV, ProcessTable, SpawnSpec
 from keepstate.agent.proto.process.process_pb import ProcessConfig, ProcessEvent
-from keepstate.agent.spare import identity_of
 from keepstate.agent.spawn import Child, spawn
-from keepstate.agent.users import lookup_user, process_env
+from keepstate.agent.users import identity_of, lookup_user, process_env
 from tests.agent.test_spare import PROBE, _setpriv_run
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.access(SETPRIV, os.X_OK),
@@ -50,7 +49,7 @@ def test_child_sees_what_setpriv_gives(stdin: bytes | None) -> None:
 
 def _raw_sigaction(sig: int, new: ctypes.Array[ctypes.c_ulong] | None) -> ctypes.Array[ctypes.c_ulong]:
     old = (ctypes.c_ulong * 8)()
-    number = spawn_module._SYSCALLS[platform.machine()][4]  # noqa: SLF001
+    number = spawn_module._SYSCALLS[platform.machine()].rt_sigaction  # noqa: SLF001
     assert ctypes.CDLL(None, use_errno=True).syscall(number, sig, new, old, 8) == 0
     return old
 
