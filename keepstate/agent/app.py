@@ -194,6 +194,11 @@ class AgentApp:
         if path == "/keepstate/idle" and method == "GET":
             await send_json(send, 200, self._idle_probe().look())
             return
+        if path == "/keepstate/listening" and method == "GET":
+            from keepstate.agent import listening  # asked before each checkpoint: the host's
+
+            await send_json(send, 200, {"ports": listening.read()})
+            return
         if path == "/keepstate/files" and method in ("GET", "PUT"):
             from keepstate.agent import files_archive  # a filesystem-only pause and its resume: the host's
 

@@ -47,6 +47,7 @@ HEADERS_WAIT = 0.002  # seconds an answer's headers wait for its first body byte
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
 CLIENT_CHECK = 1.0  # seconds between checks that a relayed request's client is still there
+SERVICE_WAIT = 10.0  # seconds a request waits for a template's service that refuses connections (restarting)
 _HOST = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 # Paths of the agent that only the host may call: /init, and everything under /keepstate/ (a filesystem-only
 # pause's files, the idle look that decides a freeze).
@@ -63,9 +64,16 @@ def not_found(sandbox_id: str) -> web.Response:
                              status=502)
 
 
-def port_closed(sandbox_id: str, port: int) -> web.Response:
-    return web.json_response({"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open",
-                              "port": port, "code": 502}, status=502)
+def port_closed(sandbox_id: str, port: int, service: str | None = None) -> web.Response:
+    """E2B's answer for a port nothing listens on; for a template's service (which should always listen), which one
+    did not start and where its log is."""
+    message = "The sandbox is running but port is not open"
+    body: dict[str, object] = {"sandboxId": sandbox_id, "message": message, "port": port, "code": 502}
+    if service is not None:
+        body["service"] = service
+        body["message"] = (f"{message}: the template's service '{service}' is not listening on it (its log in the "
+                           f"sandbox: /var/log/keepstate/{service}.log)")
+    return web.json_response(body, status=502)
 
 
 def tcp_state(address: str, port: int) -> str:
@@ -269,6 +277,7 @@ class Router:
         asked = time.monotonic()
         sender: asyncio.Task[None] | None = None
         conn: Connection | None = None
+        refused_until: float | None = None
         try:
             while True:
                 try:
@@ -276,7 +285,19 @@ class Router:
                 except OSError:
                     if flight.cut or self.manager.route(row.sandbox_id) is None:
                         return not_found(row.sandbox_id)
-                    return port_closed(row.sandbox_id, port)
+                    # A template's service that refuses is (re)starting: its supervisor restarts it with backoff.
+                    # Wait for it within a bound rather than answer at once; any other port is answered now.
+                    service = self.manager.instances.templates.service_names(row.template_id).get(port)
+                    if service is None:
+                        return port_closed(row.sandbox_id, port)
+                    if refused_until is None:
+                        refused_until = time.monotonic() + SERVICE_WAIT
+                    if time.monotonic() >= refused_until:
+                        log.warning("port %d of sandbox %s (service %s) refused connections for %.0f s", port,
+                                    row.sandbox_id, service, SERVICE_WAIT)
+                        return port_closed(row.sandbox_id, port, service)
+                    await asyncio.sleep(0.1)
+                    continue
                 except (TimeoutError, UpstreamError):
                     return not_found(row.sandbox_id)
                 conn.begin(request.method)

@@ -11,8 +11,9 @@ connection in gVisor's netstack at checkpoint time wedges the agent after a rest
 - `quiesce(sandbox_id, hold)` closes the gate: host calls raise `Quiesced`; router requests wait (hold=True, the
   sandbox runs on: a snapshot or fork) or are answered 502 by the router (a pause: the sandbox is no longer
   RUNNING); it waits for host calls in flight, cuts the router's in-flight requests and closes its pools (every
-  connection, idle or in use), gives the netstack a moment to see the closes, and only then yields. The gate
-  opens again when the block ends. A kill (`abort`) cuts and closes the same way.
+  connection, idle or in use), waits until the sandbox has answered the closes (the host's TCP table holds
+  nothing to it but closed connections, at most SETTLE_MAX seconds; tcp_table.py says why), and only then
+  yields. The gate opens again when the block ends. A kill (`abort`) cuts and closes the same way.
 
 A fourth caller that went around this class would break checkpoints; none may.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -39,9 +41,12 @@ import aiohttp
 from keepstate.ports import AGENT_PORT
 from keepstate.runtime.base import RuntimeFailure
 
+from .tcp_table import settled
 from .upstream import Pool
 
-SETTLE = 0.05  # after closing connections, before a checkpoint: the sandbox's netstack sees the closes
+log = logging.getLogger("keepstate.sandbox")
+SETTLE = 0.05  # after closing connections, before a checkpoint: how often the host's TCP table is read again
+SETTLE_MAX = 2.0  # how long the sandbox may take to answer those closes before the checkpoint goes ahead
 HOST_CALL_TIMEOUT = aiohttp.ClientTimeout(total=30)
 FILES_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=120)  # a pause's files: any size
 
@@ -98,7 +103,7 @@ class AgentClient:
         return sandbox_id in self._closed
 
     @contextlib.asynccontextmanager
-    async def quiesce(self, sandbox_id: str, hold: bool) -> AsyncIterator[None]:
+    async def quiesce(self, sandbox_id: str, hold: bool, address: str = "") -> AsyncIterator[None]:
         if sandbox_id in self._closed:
             raise RuntimeError(f"sandbox {sandbox_id} is already quiesced")  # the lifecycle lock prevents this
         self.wake(sandbox_id)  # a frozen sandbox can neither be checkpointed nor close a connection
@@ -111,7 +116,13 @@ class AgentClient:
             session = self._drop(sandbox_id)  # closes the pool
             if session is not None:
                 await session.close()
-            await asyncio.sleep(SETTLE)
+            if not address:
+                await asyncio.sleep(SETTLE)
+            else:
+                left = await settled(address, SETTLE_MAX, SETTLE)
+                if left:
+                    log.warning("sandbox %s is checkpointed with TCP connections from the host still open (states "
+                                "%s after %.0f s)", sandbox_id, left, SETTLE_MAX)
             yield
         finally:
             self._hold.discard(sandbox_id)
@@ -226,6 +237,22 @@ class AgentClient:
             if not isinstance(body, dict):
                 raise RuntimeFailure(f"agent of {sandbox_id} answered /keepstate/idle with {body!r}")
             return body
+
+    async def listening(self, sandbox_id: str, address: str, token: str) -> list[int] | None:
+        """The agent's /keepstate/listening (agent/listening.py): the ports that listen on a reachable address; None
+        from an agent that does not know the route (an image older than it)."""
+        async with self._call(sandbox_id) as http, \
+                http.get(agent_url(address) + "/keepstate/listening", headers={"X-Access-Token": token},
+                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status == 404:
+                return None
+            if r.status != 200:
+                raise RuntimeFailure(f"agent of {sandbox_id} answered /keepstate/listening with {r.status}")
+            body = await r.json()
+            ports = body.get("ports") if isinstance(body, dict) else None
+            if not isinstance(ports, list) or not all(isinstance(p, int) for p in ports):
+                raise RuntimeFailure(f"agent of {sandbox_id} answered /keepstate/listening with {body!r}")
+            return ports
 
     async def export_files(self, sandbox_id: str, address: str, token: str, dest: Path) -> int:
         """The sandbox's files as changes against its template (agent/files_archive.py), into `dest`; their size.

@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import aiohttp
+
 from keepstate.errors import Busy, KeepStateError
+from keepstate.ports import AGENT_PORT
 from keepstate.runtime.base import Endpoint, Handle, Limits, Mount, Runtime, RuntimeFailure
 from keepstate.session import SessionRecorder
 from keepstate.store import EventRef, Manifest
@@ -29,9 +32,9 @@ from keepstate.store.ids import new_checkpoint_id
 from keepstate.template.builder import Built
 
 from .agent_client import AgentClient
-from .durable import FILES_ARCHIVE, Durability, has_memory
+from .durable import FILES_ARCHIVE, Durability, has_memory, listening_ports
 from .gateway_runs import GatewayRuns
-from .instances import RESTORED_AGENT_TIMEOUT, Instances, handle_of
+from .instances import RESTORED_AGENT_TIMEOUT, RESTORED_PORTS_TIMEOUT, Instances, handle_of
 from .record import Instance, SandboxRow
 from .state import State
 from .traffic import traffic_token
@@ -80,8 +83,9 @@ class Checkpoints:
         pausing = kind == "pause"
         handle = handle_of(row)
         frozen = False
+        listening = await self._listening(row)
         try:
-            async with self.agents.quiesce(row.sandbox_id, hold=not pausing):
+            async with self.agents.quiesce(row.sandbox_id, hold=not pausing, address=row.address):
                 frozen_from = time.time()
                 if pausing:  # nothing runs after the state it saves
                     await asyncio.to_thread(self.runtime.freeze, handle)
@@ -90,9 +94,10 @@ class Checkpoints:
                 frozen_until = time.time()
                 started = time.monotonic()
                 if pausing:  # no call into the frozen sandbox until it is published
-                    manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id)
+                    manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id,
+                                                  listening=listening)
             if not pausing:
-                manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id)
+                manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id, listening=listening)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
@@ -109,9 +114,27 @@ class Checkpoints:
         return manifest
 
     async def _ingest(self, row: SandboxRow, image: Path, kind: str, parent_id: str | None, ref: EventRef | None,
-                      checkpoint_id: str, memory: bool = True) -> Manifest:
+                      checkpoint_id: str, memory: bool = True, listening: list[int] | None = None) -> Manifest:
         return await asyncio.to_thread(self.durable.ingest, row, image, kind=kind, parent_id=parent_id,
-                                       event=ref, checkpoint_id=checkpoint_id, memory=memory)
+                                       event=ref, checkpoint_id=checkpoint_id, memory=memory, listening=listening)
+
+    async def _listening(self, row: SandboxRow) -> list[int] | None:
+        """The ports a restore of this checkpoint must see accept again before it is handed out (None: unknown, the
+        template's declared services are waited for instead)."""
+        try:
+            return await self.agents.listening(row.sandbox_id, row.address, row.access_token)
+        except (TimeoutError, aiohttp.ClientError, OSError, RuntimeFailure) as exc:
+            log.warning("sandbox %s did not say which ports listen (%s); a restore of its checkpoint waits for its "
+                        "template's services only", row.sandbox_id, exc)
+            return None
+
+    def restored_ports(self, manifest: Manifest, built: Built) -> list[int]:
+        """What a restore of `manifest` waits for besides the agent: the ports that listened when it was taken, else
+        the template's declared services."""
+        ports = listening_ports(manifest)
+        if ports is None:
+            ports = self.instances.templates.service_ports(built.name)
+        return [p for p in ports if p != AGENT_PORT]
 
     async def take_files(self, row: SandboxRow) -> Manifest:
         """A filesystem-only pause's checkpoint: the agent's export of the sandbox's files (its processes stopped
@@ -175,9 +198,21 @@ class Checkpoints:
         claimed = pooled(built, limits) if pooled is not None and not memory and not mounts else None
         pooled_token = claimed.access_token if claimed is not None else None  # its agent's, until our /init
         # A new instance is a start (a claimed warm one is not): from here, when the image is on this host.
+        ports = self.restored_ports(manifest, built) if memory else []
         try:
             async with self.instances.starts.slot() if claimed is None else contextlib.nullcontext():
-                fresh = await self._restore_onto(row, built, image, limits, mounts, memory, claimed, pooled_token)
+                try:
+                    fresh = await self._restore_onto(row, built, image, limits, mounts, memory, claimed,
+                                                     pooled_token, ports)
+                except RuntimeFailure as exc:
+                    if not memory:
+                        raise
+                    # A restored instance that does not answer, or whose ports do not listen again, is gone
+                    # already (_restore_onto reaped it); another restore of the same image usually does.
+                    log.warning("restore of %s from %s failed (%s); trying once more", row.sandbox_id,
+                                checkpoint_id, exc)
+                    fresh = await self._restore_onto(row, built, image, limits, mounts, memory, claimed,
+                                                     pooled_token, ports)
         finally:
             shutil.rmtree(image, ignore_errors=True)
         row.runtime_name, row.slot, row.address = fresh.runtime_name, fresh.slot, fresh.address
@@ -187,7 +222,7 @@ class Checkpoints:
 
     async def _restore_onto(self, row: SandboxRow, built: Built, image: Path, limits: Limits,
                             mounts: tuple[Mount, ...], memory: bool, claimed: SandboxRow | None,
-                            pooled_token: str | None) -> SandboxRow:
+                            pooled_token: str | None, ports: list[int]) -> SandboxRow:
         """The new instance of a resume from the store, its agent initialised (a cold boot with its files)."""
         checkpoint_id = row.settings.checkpoint_id
         started = time.monotonic()
@@ -208,6 +243,8 @@ class Checkpoints:
         try:
             if claimed is None:
                 await self.agents.wait_ready(row.sandbox_id, fresh.address, RESTORED_AGENT_TIMEOUT)
+            if memory:
+                await self.instances.wait_ports(fresh, ports, RESTORED_PORTS_TIMEOUT)
             if not memory:  # a cold boot: its files, then everything /init sets for a sandbox handed out
                 booted = time.monotonic()
                 entries = await self.agents.apply_files(row.sandbox_id, fresh.address, image / FILES_ARCHIVE,
@@ -283,6 +320,7 @@ class Checkpoints:
         self.instances.catalog.put_sandbox(row)
         try:
             await self.agents.wait_ready(child_id, row.address, RESTORED_AGENT_TIMEOUT)
+            await self.instances.wait_ports(row, self.restored_ports(manifest, built), RESTORED_PORTS_TIMEOUT)
             await self.instances.init_agent(row, self.gateway.env(row), previous_token=parent.access_token,
                                             fork=True)
         except BaseException:

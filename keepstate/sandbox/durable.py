@@ -137,7 +137,8 @@ class Durability:
         return Path(tempfile.mkdtemp(prefix="files-", dir=self.images))
 
     def ingest(self, row: SandboxRow, image: Path, *, kind: str, parent_id: str | None,
-               event: EventRef | None, checkpoint_id: str, memory: bool = True) -> Manifest:
+               event: EventRef | None, checkpoint_id: str, memory: bool = True,
+               listening: list[int] | None = None) -> Manifest:
         # Every image file, memory included, gets content-defined chunks: gVisor writes a memory file's
         # committed pages in allocation order, so between two checkpoints the same pages move by whole pages
         # and fixed blocks would miss almost all of them (measured: benchmarks/checkpoint.py).
@@ -145,6 +146,8 @@ class Durability:
         labels = {"kind": kind, "sandbox": json.dumps(portable(row), sort_keys=True)}
         if not memory:
             labels["memory"] = "false"  # files only (files.tar): restored by a cold boot, never by runsc
+        if listening is not None:  # what must accept again before a restore of it is handed out
+            labels["listening"] = ",".join(str(p) for p in listening)
         meta = CheckpointMeta(
             session_id=row.session_id, checkpoint_id=checkpoint_id, parent_id=parent_id,
             template_id=row.template_id, template_digest=row.template_digest, runsc_release=self.release,
@@ -204,6 +207,18 @@ class Durability:
 def has_memory(manifest: Manifest) -> bool:
     """False for a filesystem-only pause's checkpoint (its one file is files.tar)."""
     return manifest.meta.labels.get("memory") != "false"
+
+
+def listening_ports(manifest: Manifest) -> list[int] | None:
+    """The ports that listened on a reachable address when the checkpoint was taken (agent/listening.py); None for
+    a checkpoint that does not say (taken before the label existed, or the agent could not tell)."""
+    text = manifest.meta.labels.get("listening")
+    if text is None:
+        return None
+    try:
+        return [int(p) for p in text.split(",") if p]
+    except ValueError:
+        return None
 
 
 FILES_ARCHIVE = "files.tar"  # the image file of a filesystem-only checkpoint

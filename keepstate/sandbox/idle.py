@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +36,7 @@ from .agent_client import Quiesced
 from .instances import handle_of
 from .record import SandboxRow
 from .state import State
+from .tcp_table import host_tcp_open, settled
 
 if TYPE_CHECKING:
     from .manager import SandboxManager
@@ -52,42 +50,6 @@ HELD_LOG_S = 20.0  # quiet this long and still not frozen: the reason is logged 
 MAX_BACKOFF = 16.0  # a sandbox that keeps itself busy is looked at no more often than this
 CONCURRENCY = 8  # looks in flight at once
 DEFAULT_AFTER = 2.0
-_QUIET_TCP = {"06", "07"}  # TIME_WAIT, CLOSE
-_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-
-
-def _hex_v4(address: str) -> str:
-    """An IPv4 address as /proc/net/tcp prints it (the 32-bit word in host byte order, hex)."""
-    return f"{struct.unpack('=I', socket.inet_aton(address))[0]:08X}"
-
-
-def open_tcp(address: str, tables: Iterable[str]) -> list[str]:
-    """The states (hex, as /proc/net/tcp writes them) of sockets whose remote address is `address`, other than
-    TIME_WAIT and CLOSE, in the text of /proc/net/tcp and tcp6 tables (v4-mapped v6 addresses included)."""
-    v4 = _hex_v4(address)
-    mapped = "0000000000000000FFFF0000" + v4
-    busy = []
-    for text in tables:
-        for line in text.splitlines()[1:]:
-            fields = line.split()
-            if len(fields) < 4:
-                continue
-            remote, state = fields[2].partition(":")[0].upper(), fields[3].upper()
-            if remote in (v4, mapped) and state not in _QUIET_TCP:
-                busy.append(state)
-    return busy
-
-
-def host_tcp_open(address: str) -> list[str]:
-    """open_tcp over this process's network namespace (the host's end of every sandbox's veth)."""
-    texts = []
-    for path in _TCP_TABLES:
-        try:
-            with open(path) as f:
-                texts.append(f.read())
-        except OSError:
-            pass
-    return open_tcp(address, texts)
 
 
 @dataclass
@@ -262,11 +224,7 @@ class IdleFreezer:
         """Until the host holds no TCP connection to `address` but closed ones, or SETTLE_MAX passes: the sandbox
         answers the FINs of the connections just closed, slowly on a loaded host. (Looking again a round later
         instead never ends for a sandbox slower than one SETTLE: every look opens and closes a connection too.)"""
-        deadline = time.monotonic() + SETTLE_MAX
-        while True:
-            await asyncio.sleep(SETTLE)
-            if not host_tcp_open(address) or time.monotonic() >= deadline:
-                return
+        await settled(address, SETTLE_MAX, SETTLE, probe=lambda a: host_tcp_open(a))
 
     def _hold(self, sid: str, why: str) -> None:
         """Note why a quiet sandbox was not frozen: at DEBUG, and at INFO once per reason when it has been quiet for

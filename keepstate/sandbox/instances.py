@@ -36,6 +36,9 @@ log = logging.getLogger("keepstate.sandbox")
 AGENT_READY_TIMEOUT = 60.0
 RESTORED_AGENT_TIMEOUT = 20.0  # a restored agent answers within a second; waiting longer only delays a retry
 SERVICE_READY_TIMEOUT = 180.0
+# A restored (forked, resumed) instance's ports listened when its checkpoint was taken: they accept within
+# milliseconds of the agent unless the restore lost one, and then waiting longer does not bring it back.
+RESTORED_PORTS_TIMEOUT = 10.0
 
 
 def handle_of(row: SandboxRow) -> Handle:
@@ -158,8 +161,13 @@ class Instances:
 
     async def wait_services(self, row: SandboxRow, built: Built) -> None:
         """A sandbox is handed out only once its template's services (e.g. the code interpreter) listen."""
-        deadline = time.monotonic() + SERVICE_READY_TIMEOUT
-        for port in self.templates.service_ports(built.name):
+        await self.wait_ports(row, self.templates.service_ports(built.name), SERVICE_READY_TIMEOUT)
+
+    async def wait_ports(self, row: SandboxRow, ports: list[int], timeout: float) -> None:
+        """Until each of `ports` accepts a connection from the host; RuntimeFailure, naming the template's service
+        on that port if it has one, after `timeout` seconds. Each probe connection is closed at once."""
+        deadline = time.monotonic() + timeout
+        for port in ports:
             while True:
                 try:
                     _, writer = await asyncio.wait_for(asyncio.open_connection(row.address, port), timeout=2)
@@ -168,9 +176,14 @@ class Instances:
                     break
                 except (TimeoutError, OSError):
                     if time.monotonic() > deadline:
-                        raise RuntimeFailure(f"service port {port} of {row.sandbox_id} did not open within "
-                                             f"{SERVICE_READY_TIMEOUT:.0f}s") from None
+                        raise RuntimeFailure(f"{self.describe_port(row.template_id, port)} of {row.sandbox_id} "
+                                             f"did not accept connections within {timeout:.0f}s") from None
                     await asyncio.sleep(0.1)
+
+    def describe_port(self, template: str, port: int) -> str:
+        """'service code-interpreter (port 49999)' for a template's service, 'port 8000' for any other."""
+        name = self.templates.service_names(template).get(port)
+        return f"service {name} (port {port})" if name else f"port {port}"
 
     # -- egress (egress/service.py) ------------------------------------------------------------------------------
     async def open_egress(self, slot: int, sandbox_id: str, policy: Policy) -> None:

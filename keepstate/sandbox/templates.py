@@ -30,6 +30,9 @@ class Templates(Protocol):
     def service_ports(self, name: str) -> list[int]:
         """Ports the template's services listen on: a sandbox is handed out once they all accept."""
 
+    def service_names(self, name: str) -> dict[int, str]:
+        """The template's services by the port they listen on (for errors that name the one that did not start)."""
+
 
 class BuiltTemplates:
     """TOML templates (keepstate/template/builder.py) and root filesystems pulled from OCI images for template
@@ -57,12 +60,15 @@ class BuiltTemplates:
         return builder.ensure_built(name)
 
     def service_ports(self, name: str) -> list[int]:
+        return list(self.service_names(name))
+
+    def service_names(self, name: str) -> dict[int, str]:
         if oci.is_image_template(name):
-            return []
+            return {}
         try:
-            return [s.port for s in load_definition(name).services if s.port]
+            return {s.port: s.name for s in load_definition(name).services if s.port}
         except KeepStateError:
-            return []
+            return {}
 
 
 def latest_digest(templates: Templates, name: str) -> str:

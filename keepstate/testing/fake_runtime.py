@@ -544,3 +544,6 @@ class FakeTemplates:
 
     def service_ports(self, name: str) -> list[int]:
         return []
+
+    def service_names(self, name: str) -> dict[int, str]:
+        return {}

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import pytest
 
 from keepstate.sandbox import idle, loops
-from keepstate.sandbox.idle import open_tcp
 from keepstate.sandbox.instances import handle_of
+from keepstate.sandbox.tcp_table import open_tcp
 from keepstate.testing import FakeRuntime
 
 from .conftest import Served, serving

@@ -197,3 +197,22 @@ for top, dirs, names in os.walk("/"):
             pass
 print(json.dumps({"found": found, "files": files}))
 """
+
+
+class BusyCores:
+    """Keeps `count` CPUs busy (a spinning python3 each) while the block runs: the load under which a race between a
+    restore and its first request shows."""
+
+    def __init__(self, count: int = 2) -> None:
+        self.count = count
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> BusyCores:
+        for _ in range(self.count):
+            self.procs.append(subprocess.Popen(["python3", "-c", "while True: pass"]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
