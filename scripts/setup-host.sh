@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Host set-up for KeepState, as root, idempotent. Installs gVisor (runsc) from Debian
-# bookworm-backports, debootstrap and the networking tools the runtime needs, and Node.js
-# and npm for the JS SDK tests (tests/js).
+# bookworm-backports, debootstrap and the networking tools the runtime needs, Node.js
+# and npm for the JS SDK tests (tests/js), and PostgreSQL 15 for the database tests.
 # The backports suite is added with the mirror already configured in this machine's
 # apt sources: no host name is written here.
 set -euo pipefail
@@ -11,11 +11,12 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-stamp=/var/lib/keepstate/.host-setup-v5
+stamp=/var/lib/keepstate/.host-setup-v6
 if [ -f "$stamp" ] && command -v runsc >/dev/null && command -v debootstrap >/dev/null \
     && command -v conntrack >/dev/null && command -v nft >/dev/null && command -v node >/dev/null && command -v npm >/dev/null \
     && command -v docker-registry >/dev/null && command -v skopeo >/dev/null && command -v htpasswd >/dev/null \
-    && command -v tini-static >/dev/null && [ -x /usr/bin/python3.11 ] && [ -x /bin/busybox ]; then
+    && command -v tini-static >/dev/null && [ -x /usr/bin/python3.11 ] && [ -x /bin/busybox ] \
+    && command -v /usr/lib/postgresql/15/bin/initdb >/dev/null; then
   exit 0
 fi
 
@@ -69,6 +70,20 @@ apt-get install -y -qq --no-install-recommends docker-registry skopeo apache2-ut
 if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
   systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
+# The database tests (docs/design/database.md) run against a real PostgreSQL 15, Debian's: each test session starts
+# its own throwaway server on a Unix socket (keepstate/testing/postgres.py). The package creates and starts a
+# "main" cluster listening on :5432; nothing may listen, so stop every cluster and leave each to start by hand only.
+apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+if command -v systemctl >/dev/null && systemctl is-enabled postgresql >/dev/null 2>&1; then
+  systemctl disable --now postgresql >/dev/null 2>&1 || true
+fi
+{ pg_lsclusters --no-header 2>/dev/null || true; } | while read -r ver name _; do
+  pg_ctlcluster "$ver" "$name" stop >/dev/null 2>&1 || true
+  conf=/etc/postgresql/$ver/$name/start.conf
+  if [ -f "$conf" ]; then
+    sed -i 's/^auto$/manual/' "$conf"
+  fi
+done
 apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
 
 # Debian prints "runsc version 0.0~20240729.0", upstream "release-20240729.0".
