@@ -14,6 +14,8 @@ from keepstate.db.engine import Database
 from keepstate.db.url import default_url
 from keepstate.testing.postgres import PostgresServer, installed
 
+from .race import HeldCommit
+
 KINDS = ["sqlite", "postgresql"]
 
 
@@ -46,4 +48,26 @@ async def database(db_url: str) -> AsyncIterator[Database]:
         await migrate.upgrade(db)
         yield db
     finally:
+        await db.close()
+
+
+@pytest.fixture
+async def other_database(database: Database) -> AsyncIterator[Database]:
+    """A second Database on the same database: another server's view of it."""
+    db = await Database.open(database.url)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
+@pytest.fixture
+async def held_database(database: Database) -> AsyncIterator[HeldCommit]:
+    """A Database on the same database whose write transactions commit only when the test says (race.py)."""
+    db = await HeldCommit.open(database.url)
+    assert isinstance(db, HeldCommit)
+    try:
+        yield db
+    finally:
+        db.release.set()
         await db.close()

@@ -1,0 +1,94 @@
+"""The plain records the repositories (keepstate.db.repos) take and return: one per table row, no behaviour.
+
+The domain packages convert them to their own types (`SandboxRow`, `Settings`, `ApiKey`, ...); this module imports
+none of them. Frozen dataclasses (msgspec, which the design names, is not a dependency of the project), keyword-only
+so that a record of seventeen fields cannot be built with two of them swapped. A field has the name of its column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeyRecord:
+    """An API key, without its hash: the hash is what `Keys.find` is asked for, never what it hands out."""
+
+    id: str
+    name: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None = None
+    max_sandboxes: int | None = None  # running sandboxes at once (0: unlimited); None: the server's default
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SandboxRecord:
+    """A row of `sandboxes`. `doc` is the domain's typed settings as JSON text, stored and returned as it is."""
+
+    sandbox_id: str
+    state: str
+    template_id: str
+    template_digest: str
+    runtime_name: str
+    slot: int
+    address: str
+    access_token: str
+    started_at: float
+    end_at: float
+    cpu: float
+    memory_mb: int
+    api_key_id: str | None
+    doc: str
+    node_id: str  # the node whose server owns the row ("local" on one host)
+    epoch: int = 0  # the fencing token: moves when the row is handed to another owner (issue 27)
+    version: int = 0  # moves on every write; every write is conditioned on it
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TeardownRecord:
+    """A teardown not yet finished (docs/design/teardown.md): the instance, its slot (-1: not ours to release), the
+    failed attempts, when the next is due (0: at once) and what the last one said. `created_at` is set by the
+    repository when the teardown is recorded; the value given is not written."""
+
+    runtime_name: str
+    slot: int
+    attempts: int = 0
+    next_try: float = 0.0
+    last_error: str = ""
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotRecord:
+    """A snapshot (a checkpoint usable as a templateID) and its names, sorted; a name belongs to one snapshot."""
+
+    snapshot_id: str
+    checkpoint_id: str
+    sandbox_id: str
+    template_id: str
+    created_at: float
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VolumeRecord:
+    volume_id: str
+    name: str
+    token: str
+    size_mb: int
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SecretRecord:
+    """A secret without its value (the database holds only ciphertext, per version). `seq` orders the list and is
+    its paging cursor; the database assigns it (the value given to `Secrets.put` is not written)."""
+
+    secret_id: str
+    name: str
+    current_version: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float
+    updated_at: float
+    seq: int = 0

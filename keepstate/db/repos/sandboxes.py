@@ -1,0 +1,173 @@
+"""Sandboxes: the rows the sandbox table owns, and the teardowns that outlive them.
+
+Every change to a row is conditioned on the version (and epoch) its writer last saw (docs/design/database.md,
+"Concurrency rules"):
+
+    UPDATE sandboxes SET state = :to, …, version = version + 1
+     WHERE sandbox_id = :id AND version = :v AND epoch = :e
+
+Zero rows updated is never a silent overwrite: a second read in the same transaction says which of `Fenced` (the
+epoch moved: another owner has the sandbox), `Stale` (the version moved) or NotFound (the row is gone) it was.
+
+A teardown (an instance still to destroy) is recorded in the transaction that deletes or changes the row it
+replaces, so a crash leaves one of the two, never neither. Recording one for an instance already recorded keeps the
+first record (its attempts and schedule), as the catalog did: a kill retried after a failure does not reset it.
+
+`insert` and `claim_pooled` raise keepstate.errors.Conflict (409) for a sandbox ID that exists already.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Collection
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from keepstate.db.engine import Database
+from keepstate.db.errors import Fenced, Stale
+from keepstate.db.records import SandboxRecord, TeardownRecord
+from keepstate.db.repos._sql import columns, duplicate, insert_or_ignore, record
+from keepstate.db.schema import sandboxes, teardowns
+from keepstate.errors import Conflict, NotFound
+
+POOLED = "pooled"  # the state of a sandbox started ahead of demand, which `claim_pooled` hands to a user
+LAST_ERROR_MAX = 2000  # characters of a failed teardown's message that are kept
+
+_c = sandboxes.c
+# What a transition may change: everything but the row's identity and the two tokens it is conditioned on.
+CHANGEABLE = frozenset(c.name for c in sandboxes.c) - {"sandbox_id", "version", "epoch"}
+
+
+class Sandboxes:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # -- rows -------------------------------------------------------------------------------------------------------
+    async def insert(self, rec: SandboxRecord) -> None:
+        """Write a new row as given (its version and epoch included); Conflict if its ID exists."""
+        try:
+            async with self.db.transaction() as conn:
+                await conn.execute(sandboxes.insert().values(**columns(rec)))
+        except sa.exc.IntegrityError as e:
+            if not duplicate(e):
+                raise
+            raise Conflict(f"sandbox {rec.sandbox_id} exists already") from None
+
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(sandboxes).where(_c.sandbox_id == sandbox_id))).first()
+        return record(SandboxRecord, row) if row else None
+
+    async def list(self, node_id: str, states: Collection[str] | None = None) -> builtins.list[SandboxRecord]:
+        """The node's sandboxes (in `states`, if given), oldest first: one read of the (node_id, state) index."""
+        query = sa.select(sandboxes).where(_c.node_id == node_id)
+        if states is not None:
+            query = query.where(_c.state.in_(builtins.list(states)))
+        async with self.db.read() as conn:
+            rows = await conn.execute(query.order_by(_c.started_at, _c.sandbox_id))
+            return [record(SandboxRecord, r) for r in rows]
+
+    async def used_slots(self, node_id: str) -> set[int]:
+        """The slots the node's rows hold (a slot below 0 is none)."""
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(_c.slot).where(_c.node_id == node_id, _c.slot >= 0))
+            return set(rows.scalars())
+
+    async def transition(self, sandbox_id: str, expect_version: int, expect_epoch: int, *,
+                         teardown: TeardownRecord | None = None, **changes: object) -> int:
+        """Set `changes` (columns of CHANGEABLE) on the row if it is still at `expect_version` and `expect_epoch`,
+        and record `teardown` with it; the row's new version. Fenced, Stale or NotFound, with nothing written, if
+        not."""
+        unknown = set(changes) - CHANGEABLE
+        if unknown:
+            raise TypeError(f"transition cannot set {', '.join(sorted(unknown))}: it changes only "
+                            f"{', '.join(sorted(CHANGEABLE))}")
+        async with self.db.transaction() as conn:
+            done = await conn.execute(
+                sandboxes.update()
+                .where(_c.sandbox_id == sandbox_id, _c.version == expect_version, _c.epoch == expect_epoch)
+                .values(version=_c.version + 1, **changes))
+            if done.rowcount != 1:
+                await _refuse(conn, sandbox_id, expect_version, expect_epoch)
+            if teardown is not None:
+                await conn.execute(self._teardown(teardown))
+        return expect_version + 1
+
+    async def claim_pooled(self, pooled_id: str, rec: SandboxRecord) -> None:
+        """Replace the pooled row `pooled_id` by `rec` (the user's ID) in one transaction: Stale if that row is gone
+        or no longer pooled (another claim or a reap came first), Conflict if `rec`'s ID exists; nothing changes
+        then."""
+        try:
+            async with self.db.transaction() as conn:
+                gone = await conn.execute(sandboxes.delete().where(_c.sandbox_id == pooled_id, _c.state == POOLED))
+                if gone.rowcount != 1:
+                    raise Stale(f"pooled sandbox {pooled_id} was claimed or reaped meanwhile")
+                await conn.execute(sandboxes.insert().values(**columns(rec)))
+        except sa.exc.IntegrityError as e:
+            if not duplicate(e):
+                raise
+            raise Conflict(f"sandbox {rec.sandbox_id} exists already") from None
+
+    async def delete(self, sandbox_id: str, teardown: TeardownRecord | None = None, *,
+                     expect_version: int | None = None, expect_epoch: int | None = None) -> bool:
+        """Delete the row and record `teardown` in one transaction (both or neither); False if there was no row (the
+        teardown is recorded all the same). With `expect_version` / `expect_epoch`, only a row still at them is
+        deleted: Stale, Fenced or NotFound otherwise, and nothing is written."""
+        conditions = [_c.sandbox_id == sandbox_id]
+        if expect_version is not None:
+            conditions.append(_c.version == expect_version)
+        if expect_epoch is not None:
+            conditions.append(_c.epoch == expect_epoch)
+        async with self.db.transaction() as conn:
+            if teardown is not None:
+                await conn.execute(self._teardown(teardown))
+            done = await conn.execute(sandboxes.delete().where(*conditions))
+            if done.rowcount != 1 and len(conditions) > 1:
+                await _refuse(conn, sandbox_id, expect_version, expect_epoch)
+            return done.rowcount == 1
+
+    # -- teardowns --------------------------------------------------------------------------------------------------
+    async def add_teardown(self, teardown: TeardownRecord) -> None:
+        """Record a teardown that replaces no row (an instance a pause retired, an orphan); one already recorded for
+        the instance is kept as it is."""
+        async with self.db.transaction() as conn:
+            await conn.execute(self._teardown(teardown))
+
+    async def teardowns(self) -> builtins.list[TeardownRecord]:
+        """Every unfinished teardown, the first due first."""
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(teardowns).order_by(teardowns.c.next_try, teardowns.c.runtime_name))
+            return [record(TeardownRecord, r) for r in rows]
+
+    async def teardown_failed(self, runtime_name: str, error: str, next_try: float) -> int | None:
+        """Count a failed attempt, keep what it said and when to try next; the attempts so far (None: no such
+        teardown)."""
+        async with self.db.transaction() as conn:
+            done = await conn.execute(
+                teardowns.update().where(teardowns.c.runtime_name == runtime_name)
+                .values(attempts=teardowns.c.attempts + 1, next_try=next_try, last_error=error[:LAST_ERROR_MAX])
+                .returning(teardowns.c.attempts))
+            attempts = done.scalar_one_or_none()
+        return int(attempts) if attempts is not None else None
+
+    async def delete_teardown(self, runtime_name: str) -> bool:
+        async with self.db.transaction() as conn:
+            done = await conn.execute(teardowns.delete().where(teardowns.c.runtime_name == runtime_name))
+            return done.rowcount == 1
+
+    def _teardown(self, teardown: TeardownRecord) -> sa.Insert:
+        return insert_or_ignore(self.db.kind, teardowns, ["runtime_name"],
+                                columns(teardown) | {"created_at": time.time()})
+
+
+async def _refuse(conn: AsyncConnection, sandbox_id: str, expect_version: int | None,
+                  expect_epoch: int | None) -> None:
+    """Raise why a conditional write of the row matched nothing (read in the writer's transaction)."""
+    row = (await conn.execute(sa.select(_c.version, _c.epoch).where(_c.sandbox_id == sandbox_id))).first()
+    if row is None:
+        raise NotFound(f"sandbox {sandbox_id} not found")
+    if expect_epoch is not None and row.epoch != expect_epoch:
+        raise Fenced(f"sandbox {sandbox_id} is at epoch {row.epoch}, not {expect_epoch}: another owner has it")
+    raise Stale(f"sandbox {sandbox_id} is at version {row.version}, not {expect_version}: it changed meanwhile")
