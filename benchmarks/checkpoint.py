@@ -69,12 +69,23 @@ def wait_file(sbx, path: str, timeout: float = 120) -> None:
 def raw_runsc(srv, sandbox_id: str, work: Path) -> tuple[float, float, Path]:
     """runsc checkpoint --leave-running and runsc restore of the same sandbox, no store involved."""
     sys.path.insert(0, str(REPO))
-    from keepstate.db.catalog import Catalog
+    import asyncio
+
+    from keepstate.db.engine import Database
+    from keepstate.db.url import default_url
     from keepstate.runtime.base import Handle, Limits, SandboxSpec, TemplateRoot
     from keepstate.runtime.gvisor import GVisorRuntime
+    from keepstate.sandbox.rows import SandboxRows
     from keepstate.template.builder import latest
 
-    row_ = Catalog(srv.home / "catalog.sqlite").get_sandbox(sandbox_id)
+    async def read_row():  # type: ignore[no-untyped-def]  # a SandboxRow, or None
+        db = await Database.open(default_url(srv.home))  # the server's own database, read beside it (WAL)
+        try:
+            return await SandboxRows(db).get(sandbox_id)
+        finally:
+            await db.close()
+
+    row_ = asyncio.run(read_row())
     rt = GVisorRuntime(srv.home / "sandboxes")
     image = work / "raw-image"
     t = time.perf_counter()

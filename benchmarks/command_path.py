@@ -117,7 +117,7 @@ def main() -> None:
         for line in seen:
             print("   ", line)
 
-        db = sqlite3.connect(srv.home / "catalog.sqlite")
+        db = sqlite3.connect(srv.home / "keepstate.sqlite")  # the server's database (SQLite, the default)
         (address,) = db.execute("SELECT address FROM sandboxes WHERE sandbox_id = ?", (sbx.sandbox_id,)).fetchone()
         token = sbx._envd_access_token or ""  # noqa: SLF001 - the SDK keeps it private
         headers = {"Content-Type": "application/connect+proto", "Connect-Protocol-Version": "1",

@@ -39,9 +39,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def pool_names(home: Path) -> set[str]:
-    """The runtime names of the server's warm pool now (its catalog's POOLED rows): what a kill of every listed
+    """The runtime names of the server's warm pool now (its database's POOLED rows): what a kill of every listed
     sandbox leaves running, by design."""
-    db = sqlite3.connect(f"file:{home / 'catalog.sqlite'}?mode=ro", uri=True, timeout=10)
+    db = sqlite3.connect(f"file:{home / 'keepstate.sqlite'}?mode=ro", uri=True, timeout=10)
     try:
         return {name for (name,) in db.execute("SELECT runtime_name FROM sandboxes WHERE state = 'pooled'")}
     finally:

@@ -56,7 +56,6 @@ def measure(way: str, count: int, threads: int) -> None:
     built = builder.latest("base")
     assert built is not None, "build the base template first"
     home = Path(tempfile.mkdtemp(prefix="keepstate-bench-td-"))
-    (home / "catalog.sqlite").touch()  # not an orphan for other servers on this host
     rt = GVisorRuntime(home / "sandboxes")
     rt.prepare()
     handles = start(rt, TemplateRoot(built.name, built.digest, built.rootfs), count, home)

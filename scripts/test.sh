@@ -2,7 +2,8 @@
 # Runs every test: unit and component tests, then the SDK tests against one shared KeepState
 # server with real gVisor sandboxes, with the newest e2b SDK, again with e2b==2.50.0 (the last on
 # the v1 routes) and the control-plane ones with e2b==2.45.0 (it checks the API key's format); the
-# agent tests run once more against an agent process on the host (what the router keeps private).
+# agent tests run once more against an agent process on the host (what the router keeps private); and the SDK
+# suites that exercise state once more against a server on PostgreSQL.
 # The templates are built first, on the real network (apt mirrors); everything after that runs inside a network
 # namespace of its own (scripts/isolated.sh) linked only to a fake internet (keepstate.testing.internet), so no
 # test can reach a real address whatever the code under test does.
@@ -28,8 +29,12 @@ export KEEPSTATE_TEST_API=http://127.0.0.1:$port
 logs=$KEEPSTATE_TEST_HOME/server.log
 internet=$KEEPSTATE_TEST_HOME/internet.json
 server=
+pg_server=
+pg_state=$KEEPSTATE_TEST_HOME/postgres.json
 cleanup() {
   if [ -n "$server" ]; then kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true; fi
+  if [ -n "$pg_server" ]; then kill -TERM "$pg_server" 2>/dev/null && wait "$pg_server" 2>/dev/null || true; fi
+  $BIN/python -m keepstate.testing.postgres down --state "$pg_state" || true
   $BIN/python -m keepstate.testing.internet down --state "$internet" || true
   # The server's data directory (catalog, event logs, checkpoint store: ~200 MB) is kept only for a failed run.
   if [ "${status:-1}" -eq 0 ]; then
@@ -46,15 +51,19 @@ export KEEPSTATE_FAKE_INTERNET=$internet
 # The shared server resolves through the fake DNS and trusts the fake sites' CA.
 state() { $BIN/python -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$internet" "$1"; }
 serve_flags=(--dns-upstream "$(state dns)" --egress-ca-bundle "$(state ca_file)")
+# wait_serving PID URL LOG: until the server answers /health; its log and exit 1 if it dies first.
+wait_serving() {
+  for _ in $(seq 1 600); do
+    curl -fsS "$2/health" >/dev/null 2>&1 && return 0
+    kill -0 "$1" 2>/dev/null || { cat "$3"; echo "the test server at $2 died" >&2; exit 1; }
+    sleep 0.2
+  done
+}
 KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate serve --listen 127.0.0.1:$port --pool-size 3 \
   --warm "$(echo $names | tr ' ' ,)" --reap-on-exit "${serve_flags[@]}" \
   >"$logs" 2>&1 &
 server=$!
-for _ in $(seq 1 600); do
-  curl -fsS "$KEEPSTATE_TEST_API/health" >/dev/null 2>&1 && break
-  kill -0 "$server" 2>/dev/null || { cat "$logs"; echo "test server died" >&2; exit 1; }
-  sleep 0.2
-done
+wait_serving "$server" "$KEEPSTATE_TEST_API" "$logs"
 export KEEPSTATE_TEST_KEY=$(KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate keys create tests 2>/dev/null)
 
 status=0
@@ -68,7 +77,26 @@ KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest -n 2 -
 echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request"
 .venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . \
   tests/sdk/test_control_plane.py || status=$?
+echo "== SDK tests (newest e2b: control plane, durability, commands, files) again against a server on PostgreSQL"
+# Its own PostgreSQL 15 (Debian's, as the postgres user, on a Unix socket in a temporary directory), its own data
+# directory; only this server gets the URL: the servers tests start themselves stay on SQLite.
+pg_home=$KEEPSTATE_TEST_HOME/on-postgres
+mkdir -p "$pg_home"
+pg_logs=$pg_home/server.log
+pg_url=$($BIN/python -m keepstate.testing.postgres up --state "$pg_state")
+pg_port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+KEEPSTATE_HOME=$pg_home KEEPSTATE_DB=$pg_url $BIN/keepstate serve --listen 127.0.0.1:$pg_port --pool-size 2 \
+  --warm "$(echo $names | tr ' ' ,)" --reap-on-exit "${serve_flags[@]}" >"$pg_logs" 2>&1 &
+pg_server=$!
+wait_serving "$pg_server" "http://127.0.0.1:$pg_port" "$pg_logs"
+pg_key=$(KEEPSTATE_HOME=$pg_home KEEPSTATE_DB=$pg_url $BIN/keepstate keys create tests 2>/dev/null)
+KEEPSTATE_TEST_API=http://127.0.0.1:$pg_port KEEPSTATE_TEST_KEY=$pg_key KEEPSTATE_TEST_HOME=$pg_home \
+  $BIN/python -m pytest -n 2 -p no:cacheprovider tests/sdk/test_control_plane.py tests/sdk/test_durable.py \
+  tests/agent/test_commands.py tests/agent/test_files.py || status=$?
+kill -TERM "$pg_server" 2>/dev/null && wait "$pg_server" 2>/dev/null || true
+pg_server=
 if [ $status -ne 0 ]; then
   echo "== server log (last 80 lines)"; tail -n 80 "$logs"
+  echo "== the server on PostgreSQL: its log (last 40 lines)"; tail -n 40 "$pg_logs"
 fi
 exit $status

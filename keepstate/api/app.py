@@ -18,11 +18,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from keepstate.apikeys import find as find_key
 from keepstate.config import DEFAULT_DISK_MB
-from keepstate.db.catalog import Catalog
+from keepstate.db import setup as db_setup
+from keepstate.db.engine import Database
+from keepstate.db.repos import History, Keys
 from keepstate.egress import firewall
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import KeepStateError, Unauthorized
+from keepstate.errors import KeepStateError, NotFound, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime import network
 from keepstate.runtime.base import Runtime
@@ -32,7 +35,7 @@ from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.secret import SecretStore
 from keepstate.secret.crypto import KEY_FILE, Sealer
-from keepstate.session import DB_FILE, EventLog, JournalPoller, Lineage, SessionDB, SessionRecorder
+from keepstate.session import EventLog, JournalPoller, Lineage, SessionRecorder
 from keepstate.template.build_service import TemplateBuilds
 from keepstate.template.uploads import PREFIX as UPLOAD_PREFIX
 from keepstate.volume import Volumes
@@ -43,7 +46,7 @@ from . import secrets as secret_routes
 from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, CATALOG, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
+from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
 from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import validating_middleware
 
@@ -78,6 +81,7 @@ class ServerConfig:
     # None: secret/crypto.py's load_key (<home>/secrets.key, KEEPSTATE_SECRETS_KEY). Never in a repr.
     secrets_key: bytes | None = field(default=None, repr=False)
     domain: str | None = None  # port URLs' <port>-<id>.<domain>; default localhost:<port> (api/listeners.py)
+    db_url: str | None = None  # --db; None: $KEEPSTATE_DB, else sqlite under home (docs/design/database.md)
 
 
 def _envd_version() -> str:
@@ -90,14 +94,14 @@ def _envd_version() -> str:
 
 
 class KeyCache:
-    """API keys checked against the catalog, remembered briefly so each request is cheap."""
+    """API keys checked against the database, remembered briefly so each request is cheap."""
 
-    def __init__(self, catalog: Catalog, ttl: float = 5.0) -> None:
-        self.catalog = catalog
+    def __init__(self, keys: Keys, ttl: float = 5.0) -> None:
+        self.keys = keys
         self.ttl = ttl
         self._seen: dict[str, tuple[float, str | None]] = {}
 
-    def check(self, key: str | None) -> str:
+    async def check(self, key: str | None) -> str:
         if not key:
             raise Unauthorized("missing API key: send it in the X-API-KEY header (see `keepstate keys create`)")
         if not key.isascii():  # no key we issue is: and its bytes may not even encode
@@ -105,7 +109,7 @@ class KeyCache:
         now = time.monotonic()
         hit = self._seen.get(key)
         if hit is None or hit[0] < now:
-            found = self.catalog.find_key(key)
+            found = await find_key(self.keys, key)
             hit = (now + self.ttl, found.id if found else None)
             self._seen[key] = hit
         if hit[1] is None:
@@ -116,6 +120,8 @@ class KeyCache:
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error a REST handler raises, as the one JSON shape {"code", "message"} (a redirect passes)."""
+    if "\x00" in request.path:  # no ID holds a NUL (the database refuses one): nothing it names exists
+        return control.error_response(NotFound(f"nothing at {request.path[:200]!r}: an ID has no NUL character"))
     try:
         return await handler(request)
     except KeepStateError as exc:
@@ -143,21 +149,21 @@ def runtime_for(config: ServerConfig) -> tuple[Runtime, Templates]:
 
 def create_app(config: ServerConfig, runtime: Runtime | None = None,
                templates: Templates | None = None) -> web.Application:
-    catalog = Catalog(config.home / "catalog.sqlite")
+    db = Database.connect(config.db_url or db_setup.db_url(config.home))
     if runtime is None:
         runtime, default_templates = runtime_for(config)
         templates = templates or default_templates
     templates = templates or BuiltTemplates()
     envd_version = _envd_version()
-    sessions = SessionDB(config.home / DB_FILE)
-    event_log, lineage = EventLog(sessions), Lineage(sessions)
+    history = History(db)
+    event_log, lineage = EventLog(history), Lineage(history)
     poller = JournalPoller(event_log, interval=1.0)
     recorder = SessionRecorder(event_log, lineage, poller)
     durable = Durability(config.home, runtime, templates, config.store_url)
     durable.clear_images()
-    volumes = Volumes(config.home, catalog, config.volume_backend, config.volume_size_mb)
-    secret_store = SecretStore(catalog, Sealer(config.secrets_key)) if config.secrets_key is not None else \
-        SecretStore.open(catalog, config.home / KEY_FILE)
+    volumes = Volumes(config.home, db, config.volume_backend, config.volume_size_mb)
+    secret_store = SecretStore(db, Sealer(config.secrets_key)) if config.secrets_key is not None else \
+        SecretStore.open(db, config.home / KEY_FILE)
     gateway_app = gateway = None
     open_ports = tuple(config.open_ports)
     if config.gateway_config is not None:
@@ -168,9 +174,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         gw_config = GatewayConfig.from_file(config.gateway_config)
         gw_config.data_dir = config.home
         gw_config.forget_key_variables()  # read: no process the server starts (runsc, nft, ip...) inherits them
-        gateway_app = create_gateway_app(gw_config)
+        gateway_app = create_gateway_app(gw_config, db)
         gateway = gateway_app[GATEWAY]
-    manager = SandboxManager(catalog, runtime, templates=templates, recorder=recorder, durable=durable,
+    manager = SandboxManager(db, runtime, home=config.home, templates=templates, recorder=recorder, durable=durable,
                              pool_size=config.pool_size, template_pool_size=config.template_pool_size,
                              host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
@@ -181,8 +187,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              egress=Egress(config.home, config.egress, datapath=config.runtime != "fake",
                                            secret_value=secret_store.value))
     router = Router(manager)
-    keys = KeyCache(catalog)
-    template_builds = TemplateBuilds(manager, catalog, config.home)
+    keys = KeyCache(Keys(db))
+    template_builds = TemplateBuilds(manager, db, config.home)
 
     async def to_router(request: web.Request) -> web.StreamResponse:
         target = target_of(request)
@@ -202,7 +208,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX) \
                 and not (request.method == "PUT" and request.path.startswith(UPLOAD_PREFIX)):
             try:
-                request[API_KEY_ID] = keys.check(request.headers.get("X-API-KEY"))
+                request[API_KEY_ID] = await keys.check(request.headers.get("X-API-KEY"))
             except KeepStateError as exc:
                 return control.error_response(exc)
         return await errors_as_json(request, handler)
@@ -212,7 +218,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app = web.Application(middlewares=[validating_middleware(), dispatch], client_max_size=MAX_JSON_BODY,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
-    app[CATALOG] = catalog
+    app[DATABASE] = db
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
     app[SECRETS] = secret_store
@@ -234,6 +240,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     gateway_runner: list[web.AppRunner] = []
 
     async def on_startup(app: web.Application) -> None:
+        await db_setup.upgrade(db, config.home)  # first: everything below reads it
+        await secret_store.check_key()
+        await template_builds.recover()
         await poller.start()
         if gateway_app is not None and config.runtime != "fake":
             await asyncio.to_thread(network.ensure_gateway_address)
@@ -243,7 +252,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                 await web.TCPSite(runner, host, config.gateway_port).start()
             gateway_runner.append(runner)
             await asyncio.to_thread(firewall.open_service, "tcp", config.gateway_port)  # sandboxes may call it
-        await asyncio.to_thread(volumes.mount_all)  # before adoption: sandboxes mount them
+        elif gateway is not None:  # not served (the fake runtime's sandboxes call nothing), but runs are registered
+            await gateway.start()
+        await volumes.mount_all()  # before adoption: sandboxes mount them
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
@@ -251,14 +262,16 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         await template_builds.stop()
         await manager.stop(reap=config.reap_on_exit)
         if config.reap_on_exit:  # its sandboxes are gone: leave no loop mount behind (the data stays)
-            await asyncio.to_thread(volumes.unmount_all)
+            await volumes.unmount_all()
         for runner in gateway_runner:
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(firewall.close_service, "tcp", config.gateway_port)
             await runner.cleanup()
+        if gateway is not None and not gateway_runner:
+            await gateway.close()
         await router.stop()
         durable.close()
-        catalog.close()
+        await db.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

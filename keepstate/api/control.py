@@ -229,7 +229,7 @@ async def create_snapshot(request: web.Request) -> web.Response:
 
 @routes.get("/snapshots")
 async def list_snapshots(request: web.Request) -> web.Response:
-    snaps = manager(request).catalog.snapshots()
+    snaps = await manager(request).rows.snapshots()
     if request.query.get("sandboxID"):
         snaps = [s for s in snaps if s["sandbox_id"] == request.query["sandboxID"]]
     if request.query.get("name"):
@@ -250,10 +250,10 @@ async def list_snapshots(request: web.Request) -> web.Response:
 @routes.delete("/templates/{template_id}")
 async def delete_snapshot(request: web.Request) -> web.Response:
     m = manager(request)
-    snap = m.find_snapshot(request.match_info["template_id"])
+    snap = await m.find_snapshot(request.match_info["template_id"])
     if snap is None:
         raise NotFound(f"snapshot '{request.match_info['template_id']}' not found")
-    m.catalog.delete_snapshot(snap["snapshot_id"])
+    await m.rows.delete_snapshot(snap["snapshot_id"])
     return web.Response(status=204)
 
 

@@ -5,8 +5,6 @@ The server sets the EventLog and the Lineage on the app as `app[EVENTS]` and `ap
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from keepstate.errors import NotFound
@@ -17,7 +15,7 @@ from .schemas import query_bool, query_int
 
 routes = web.RouteTableDef()
 MAX_LIMIT = 10_000
-MAX_SEQ = 2**63 - 1  # SQLite's INTEGER: a larger `after` would overflow its binding
+MAX_SEQ = 2**63 - 1  # SQLite's INTEGER and PostgreSQL's BIGINT: a larger `after` would overflow its binding
 EVENTS: web.AppKey[EventLog] = web.AppKey("events", EventLog)
 LINEAGE: web.AppKey[Lineage] = web.AppKey("lineage", Lineage)
 
@@ -37,16 +35,16 @@ async def list_events(request: web.Request) -> web.Response:
     after = query_int(request.query, "after", 0, 0, MAX_SEQ)
     limit = min(query_int(request.query, "limit", MAX_LIMIT, 1, MAX_SEQ), MAX_LIMIT)
     verify = query_bool(request.query, "verify")
-    events = await asyncio.to_thread(log.read, session_id, after, limit)
-    if not events and not await asyncio.to_thread(log.exists, session_id):
+    events = await log.read(session_id, after, limit)
+    if not events and not await log.exists(session_id):
         raise NotFound(f"no events for sandbox {session_id}")
     body: dict[str, object] = {"sessionId": session_id, "events": [e.to_dict() for e in events]}
     if verify:
-        body["verified"] = (await asyncio.to_thread(log.verify, session_id)).to_dict()
+        body["verified"] = (await log.verify(session_id)).to_dict()
     return web.json_response(body)
 
 
 @routes.get("/sandboxes/{sandbox_id}/lineage")
 async def lineage(request: web.Request) -> web.Response:
-    tree = await asyncio.to_thread(_lineage(request).tree, sid(request))
+    tree = await _lineage(request).tree(sid(request))
     return web.json_response(tree)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from keepstate.db.catalog import Catalog
+from keepstate.db.engine import Database
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.secret import SecretStore
 from keepstate.volume import Volumes
 
 MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
-CATALOG: web.AppKey[Catalog] = web.AppKey("catalog", Catalog)
+DATABASE: web.AppKey[Database] = web.AppKey("database", Database)
 ENVD_VERSION: web.AppKey[str] = web.AppKey("envd_version", str)
 VOLUMES: web.AppKey[Volumes] = web.AppKey("volumes", Volumes)
 SECRETS: web.AppKey[SecretStore] = web.AppKey("secrets", SecretStore)

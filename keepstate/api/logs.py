@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from aiohttp import web
@@ -24,9 +23,9 @@ PAGE = 10_000
 MAX_MS = 2**53  # cursors: milliseconds since the epoch, as docs/openapi.yaml bounds them
 
 
-def _history(log: EventLog, session_id: str) -> list[Event]:
+async def _history(log: EventLog, session_id: str) -> list[Event]:
     events: list[Event] = []
-    while page := log.read(session_id, events[-1].seq if events else 0, PAGE):
+    while page := await log.read(session_id, events[-1].seq if events else 0, PAGE):
         events.extend(page)
     if not events:
         raise NotFound(f"sandbox \"{session_id}\" not found (it has no history here)")
@@ -37,7 +36,7 @@ def _history(log: EventLog, session_id: str) -> list[Event]:
 async def logs_v1(request: web.Request) -> web.Response:
     start = query_int(request.query, "start", 0, 0, MAX_MS)
     limit = query_int(request.query, "limit", 1000, 0, V1_MAX)
-    events = await asyncio.to_thread(_history, request.app[EVENTS], sid(request))
+    events = await _history(request.app[EVENTS], sid(request))
     entries = [e.to_json() for e in select(events, cursor_ms=start, limit=limit)]
     return web.json_response({"logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
                               "logEntries": entries})
@@ -53,6 +52,6 @@ async def logs_v2(request: web.Request) -> web.Response:
     search = request.query.get("search") or None
     if search is not None and len(search) > SEARCH_MAX:
         raise BadRequest(f"query parameter `search` must be at most {SEARCH_MAX} characters")
-    events = await asyncio.to_thread(_history, request.app[EVENTS], sid(request))
+    events = await _history(request.app[EVENTS], sid(request))
     entries = select(events, cursor_ms=cursor, backward=backward, level=level, search=search, limit=limit)
     return web.json_response({"logs": [e.to_json() for e in entries]})

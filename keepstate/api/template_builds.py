@@ -59,8 +59,8 @@ async def request_build(request: web.Request) -> web.Response:
     name = body.get("name")
     if not isinstance(name, str) or not name.strip():
         raise BadRequest("`name` must be a non-empty string (name or name:tag)")
-    t, b, tags = await asyncio.to_thread(builds(request).request, name.strip(), _tags(body),
-                                         _int(body, "cpuCount", 1, 8), _int(body, "memoryMB", 128, 65536))
+    t, b, tags = await builds(request).request(name.strip(), _tags(body), _int(body, "cpuCount", 1, 8),
+                                               _int(body, "memoryMB", 128, 65536))
     return web.json_response({"templateID": t.template_id, "buildID": b.build_id, "public": False,
                               "names": [t.name], "tags": tags, "aliases": [t.name]}, status=202)
 
@@ -68,7 +68,7 @@ async def request_build(request: web.Request) -> web.Response:
 @routes.get("/templates/{template_id}/files/{files_hash}")
 async def files_link(request: web.Request) -> web.Response:
     s = builds(request)
-    builds(request).template(request.match_info["template_id"])
+    await s.template(request.match_info["template_id"])
     files_hash = request.match_info["files_hash"]
     present = s.uploads.present(files_hash)
     base = f"{request.scheme}://{request.host}"
@@ -106,8 +106,8 @@ async def upload(request: web.Request) -> web.Response:
 @routes.post("/v2/templates/{template_id}/builds/{build_id}")
 async def start_build(request: web.Request) -> web.Response:
     spec = parse_spec(await _json(request))
-    builds(request).start(request.match_info["template_id"], request.match_info["build_id"], spec,
-                          request.get(API_KEY_ID))
+    await builds(request).start(request.match_info["template_id"], request.match_info["build_id"], spec,
+                                request.get(API_KEY_ID))
     return web.Response(status=202)
 
 
@@ -118,8 +118,8 @@ async def build_status(request: web.Request) -> web.Response:
         limit = min(max(1, int(request.query.get("limit", "100"))), 1000)
     except ValueError:
         raise BadRequest("`logsOffset` and `limit` must be whole numbers") from None
-    return web.json_response(builds(request).status(request.match_info["template_id"],
-                                                    request.match_info["build_id"], offset, limit))
+    return web.json_response(await builds(request).status(request.match_info["template_id"],
+                                                          request.match_info["build_id"], offset, limit))
 
 
 @routes.post("/templates/tags")
@@ -129,11 +129,11 @@ async def assign_tags(request: web.Request) -> web.Response:
     if not isinstance(target, str) or not target or not tags:
         raise BadRequest("`target` (name:tag) and a non-empty `tags` list are required")
     s = builds(request)
-    b = s.ready_build(target)
+    b = await s.ready_build(target)
     if b is None:
         raise NotFound(f"template '{target}' has no ready build")
     for tag in tags:
-        s.catalog.set_tag(b.template_id, tag, b.build_id)
+        await s.templates.set_tag(b.template_id, tag, b.build_id)
     return web.json_response({"tags": tags, "buildID": b.build_id}, status=201)
 
 
@@ -144,8 +144,8 @@ async def remove_tags(request: web.Request) -> web.Response:
     if not isinstance(name, str) or not name or not tags:
         raise BadRequest("`name` and a non-empty `tags` list are required")
     s = builds(request)
-    t = s.template(name)
-    missing = [tag for tag in tags if not s.catalog.delete_tag(t.template_id, tag)]
+    t = await s.template(name)
+    missing = [tag for tag in tags if not await s.templates.delete_tag(t.template_id, tag)]
     if missing:
         raise NotFound(f"template '{name}' has no tag(s) {', '.join(missing)}")
     return web.Response(status=204)
@@ -154,29 +154,29 @@ async def remove_tags(request: web.Request) -> web.Response:
 @routes.get("/templates/{template_id}/tags")
 async def list_tags(request: web.Request) -> web.Response:
     s = builds(request)
-    t = s.template(request.match_info["template_id"])
-    return web.json_response([{"tag": r["tag"], "buildID": r["build_id"], "createdAt": rfc3339(r["created_at"])}
-                              for r in s.catalog.tags(t.template_id)])
+    t = await s.template(request.match_info["template_id"])
+    return web.json_response([{"tag": r.tag, "buildID": r.build_id, "createdAt": rfc3339(r.created_at)}
+                              for r in await s.templates.tags(t.template_id)])
 
 
 @routes.delete("/templates/{template_id}")
 async def delete_template(request: web.Request) -> web.StreamResponse:
     """A built template, else a snapshot (what `Sandbox.delete_snapshot` sends here too)."""
     s, ref = builds(request), request.match_info["template_id"]
-    if s.catalog.get_template(split_ref(ref)[0]) is None:
+    if await s.templates.get_template(split_ref(ref)[0]) is None:
         from .control import delete_snapshot
 
         return await delete_snapshot(request)
-    await asyncio.to_thread(s.delete, ref)
+    await s.delete(ref)
     return web.Response(status=204)
 
 
-def described(s: TemplateBuilds) -> list[dict[str, Any]]:
+async def described(s: TemplateBuilds) -> list[dict[str, Any]]:
     """Built templates in `GET /templates`' shape (their default tag's ready build)."""
     out = []
-    for t in s.catalog.templates():
-        b = s.ready_build(f"{t.name}:{DEFAULT_TAG}")
-        builds_of = s.catalog.builds(t.template_id)
+    for t in await s.templates.templates():
+        b = await s.ready_build(f"{t.name}:{DEFAULT_TAG}")
+        builds_of = await s.templates.builds(t.template_id)
         last = builds_of[-1] if builds_of else None
         out.append({"templateID": t.template_id, "buildID": b.build_id if b else (last.build_id if last else ""),
                     "cpuCount": t.cpu or 2, "memoryMB": t.memory_mb or 1024, "diskSizeMB": 0, "public": False,
@@ -187,6 +187,6 @@ def described(s: TemplateBuilds) -> list[dict[str, Any]]:
     return out
 
 
-def alias(s: TemplateBuilds, ref: str) -> dict[str, Any] | None:
-    t = s.catalog.get_template(split_ref(ref)[0])
+async def alias(s: TemplateBuilds, ref: str) -> dict[str, Any] | None:
+    t = await s.templates.get_template(split_ref(ref)[0])
     return {"templateID": t.template_id, "public": False} if t is not None else None

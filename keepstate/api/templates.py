@@ -36,9 +36,9 @@ def describe(built: Built, spawns: int, last_spawn: float | None, envd: str, dis
     }
 
 
-def _described(request: web.Request) -> list[dict[str, Any]]:
+def _built(request: web.Request) -> list[tuple[str, Built]]:
     """Built templates; one not built yet is built on first use (and `Template.exists` already finds it)."""
-    templates, lineage = manager(request).templates, request.app[LINEAGE]
+    templates = manager(request).templates
     out = []
     for name in templates.names():
         try:
@@ -46,16 +46,22 @@ def _described(request: web.Request) -> list[dict[str, Any]]:
         except KeepStateError:
             continue  # its definition does not load: not on offer
         if built is not None:
-            out.append(describe(built, *lineage.spawns(name), envd_version(request), manager(request).disk_mb))
+            out.append((name, built))
     return out
+
+
+async def _described(request: web.Request) -> list[dict[str, Any]]:
+    lineage = request.app[LINEAGE]
+    return [describe(built, *await lineage.spawns(name), envd_version(request), manager(request).disk_mb)
+            for name, built in await asyncio.to_thread(_built, request)]
 
 
 @routes.get("/templates")
 async def list_templates(request: web.Request) -> web.Response:
     from .template_builds import BUILDS, described
 
-    built = await asyncio.to_thread(described, request.app[BUILDS])
-    return web.json_response(await asyncio.to_thread(_described, request) + built)
+    built = await described(request.app[BUILDS])
+    return web.json_response(await _described(request) + built)
 
 
 @routes.get("/templates/aliases/{alias}")
@@ -67,10 +73,10 @@ async def alias(request: web.Request) -> web.Response:
     from .template_builds import BUILDS
     from .template_builds import alias as built_alias
 
-    found = await asyncio.to_thread(built_alias, request.app[BUILDS], name)
+    found = await built_alias(request.app[BUILDS], name)
     if found is not None:
         return web.json_response(found)
-    snap = await asyncio.to_thread(m.find_snapshot, name)
+    snap = await m.find_snapshot(name)
     if snap is not None:
         return web.json_response({"templateID": snap["snapshot_id"], "public": False})
     raise NotFound(f"template '{name}' not found")

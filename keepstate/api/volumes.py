@@ -42,18 +42,18 @@ async def create(request: web.Request) -> web.Response:
     body = schemas.parse_object(await request.read())
     store = volumes(request)
     name, size_mb = store.check_new(body.get("name"), body.get("sizeMB"))
-    vol = await asyncio.to_thread(store.create, name, size_mb)
+    vol = await store.create(name, size_mb)
     return web.json_response(_info(vol, token=True), status=201)
 
 
 @routes.get("/volumes")
 async def list_volumes(request: web.Request) -> web.Response:
-    return web.json_response([_info(v, token=False) for v in volumes(request).list()])
+    return web.json_response([_info(v, token=False) for v in await volumes(request).list()])
 
 
 @routes.get("/volumes/{volume_id}")
 async def get_volume(request: web.Request) -> web.Response:
-    return web.json_response(_info(volumes(request).get(request.match_info["volume_id"]), token=True))
+    return web.json_response(_info(await volumes(request).get(request.match_info["volume_id"]), token=True))
 
 
 @routes.delete("/volumes/{volume_id}")
@@ -61,7 +61,7 @@ async def destroy(request: web.Request) -> web.Response:
     """Refused (409) while a sandbox mounts it; else the row goes first (new calls: 404), then, once no content
     call runs any more, the data."""
     store, volume_id = volumes(request), request.match_info["volume_id"]
-    store.forget(volume_id, manager(request).volume_users(volume_id))  # no await before: atomic on the loop
+    await store.forget(volume_id, lambda: manager(request).volume_users(volume_id))
     await store.gate(volume_id).close()
     await asyncio.to_thread(store.remove, volume_id)
     return web.Response(status=204)
@@ -81,7 +81,7 @@ def _path(request: web.Request) -> str:
 
 async def _authorized(request: web.Request) -> tuple[Volumes, VolumeRecord]:
     store = volumes(request)
-    return store, store.authorize(request.match_info["volume_id"], request.headers.get("Authorization"))
+    return store, await store.authorize(request.match_info["volume_id"], request.headers.get("Authorization"))
 
 
 @routes.get("/volumecontent/{volume_id}/dir")

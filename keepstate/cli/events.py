@@ -9,11 +9,12 @@ from typing import Any
 
 import click
 
-from keepstate.config import home
+from keepstate.db.engine import Database
 from keepstate.errors import BadRequest, NotFound
-from keepstate.session import DB_FILE, Event, EventLog, Lineage, Replayer
+from keepstate.session import Event, EventLog, Lineage, Replayer, VerifyResult
 
 from .common import EXIT_PROBLEMS, Command, emit_json, home_option, json_option
+from .database import db_option, run
 
 
 def _short(data: dict[str, Any], width: int = 60) -> str:
@@ -41,6 +42,7 @@ def _table(events: list[Event]) -> None:
 @click.option("--api-key", envvar="E2B_API_KEY", help="API key for --replay (default $E2B_API_KEY).")
 @click.option("--template", help="Template for --replay (default: the one the session was created from).")
 @home_option
+@db_option
 def events(session_id: str, do_verify: bool, as_json: bool, after: int, limit: int | None, show_lineage: bool,
            do_replay: bool, api_url: str | None, api_key: str | None, template: str | None) -> None:
     """Show the causal history of SESSION_ID (a sandbox ID).
@@ -57,32 +59,32 @@ def events(session_id: str, do_verify: bool, as_json: bool, after: int, limit: i
     4 other failure (`keepstate --help`).
     Design: docs/design/causal-history.md.
     """
-    path = home() / DB_FILE
-    if not path.exists():
-        raise NotFound(f"no session database at {path}; pass --home or set KEEPSTATE_HOME")
-    log = EventLog(path)
-    try:
-        if show_lineage:
-            emit_json(Lineage(log.db).tree(session_id))
-        elif do_verify:
-            _verify(log, session_id, as_json)
-        elif do_replay:
-            _replay(log, session_id, api_url, api_key, template, as_json)
-        else:
-            evs = log.read(session_id, after=after, limit=limit)
-            if not evs and not log.exists(session_id):
+    if show_lineage:
+        emit_json(run(lambda db: Lineage(db).tree(session_id)))
+    elif do_verify:
+        _verify(run(lambda db: EventLog(db).verify(session_id)), session_id, as_json)
+    elif do_replay:
+        if not api_url or not api_key:
+            raise BadRequest("--replay needs --api-url and --api-key (or $E2B_API_URL and $E2B_API_KEY)")
+        _replay(run(lambda db: EventLog(db).causal_history(session_id)), session_id, api_url, api_key, template,
+                as_json)
+    else:
+        async def read(db: Database) -> list[Event]:
+            log = EventLog(db)
+            evs = await log.read(session_id, after=after, limit=limit)
+            if not evs and not await log.exists(session_id):
                 raise NotFound(f"no events for session {session_id}; see `keepstate checkpoint ls` for known "
                                "sessions")
-            if as_json:
-                emit_json([e.to_dict() for e in evs])
-            else:
-                _table(evs)
-    finally:
-        log.close()
+            return evs
+
+        evs = run(read)
+        if as_json:
+            emit_json([e.to_dict() for e in evs])
+        else:
+            _table(evs)
 
 
-def _verify(log: EventLog, session_id: str, as_json: bool) -> None:
-    result = log.verify(session_id)
+def _verify(result: VerifyResult, session_id: str, as_json: bool) -> None:
     if as_json:
         emit_json(result.to_dict())
     elif result.ok:
@@ -94,11 +96,8 @@ def _verify(log: EventLog, session_id: str, as_json: bool) -> None:
         sys.exit(EXIT_PROBLEMS)
 
 
-def _replay(log: EventLog, session_id: str, api_url: str | None, api_key: str | None, template: str | None,
+def _replay(history: list[Event], session_id: str, api_url: str, api_key: str, template: str | None,
             as_json: bool) -> None:
-    if not api_url or not api_key:
-        raise BadRequest("--replay needs --api-url and --api-key (or $E2B_API_URL and $E2B_API_KEY)")
-    history = log.causal_history(session_id)
     if template is None:
         created = next((e for e in history if e.kind == "sandbox.create"), None)
         template = str(created.data.get("template_id")) if created and created.data.get("template_id") else None

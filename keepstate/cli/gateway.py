@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from .common import Command
               help="Gateway config (TOML or JSON); format in docs/design/gateway.md.")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), envvar="KEEPSTATE_HOME",
               help="Data directory (default $KEEPSTATE_HOME or /var/lib/keepstate); overrides the config's data_dir.")
-def gateway(listen: str, config_path: Path | None, home: Path | None) -> None:
+@click.option("--db", "db_url", envvar="KEEPSTATE_DB", metavar="URL",
+              help="The database: sqlite:///PATH (default: <data directory>/keepstate.sqlite) or "
+                   "postgresql://USER@HOST/NAME (libpq URLs, Unix sockets as ?host=/dir); $KEEPSTATE_DB. "
+                   "docs/design/database.md")
+def gateway(listen: str, config_path: Path | None, home: Path | None, db_url: str | None) -> None:
     """Run the model-call metering gateway alone.
 
     \b
@@ -27,10 +32,13 @@ def gateway(listen: str, config_path: Path | None, home: Path | None) -> None:
       keepstate gateway --listen 127.0.0.1:3100 --config /etc/keepstate/gateway.toml
 
     Sandboxes reach it with the OPENAI_*/ANTHROPIC_* variables that the server gives them; the gateway shares
-    $KEEPSTATE_HOME/gateway.sqlite with the server and with `keepstate ledger`.
+    the database (--db) with the server and with `keepstate ledger`.
     """
     from aiohttp import web
 
+    from keepstate.db.engine import Database
+    from keepstate.db.setup import prepare
+    from keepstate.db.url import default_url
     from keepstate.gateway import ConfigError, GatewayConfig, create_app
 
     host, sep, port = listen.rpartition(":")
@@ -42,6 +50,25 @@ def gateway(listen: str, config_path: Path | None, home: Path | None) -> None:
         raise BadRequest(str(e)) from e
     if home is not None:
         cfg.data_dir = home
+    url = db_url or default_url(cfg.data_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    web.run_app(create_app(cfg), host=host.strip("[]"), port=int(port), access_log=None,
-                print=lambda msg: click.echo(f"keepstate gateway on http://{listen} (data: {cfg.data_dir})", err=True))
+
+    async def check() -> str:  # before listening: a bad URL, a database down or too new ends the command here
+        db = await prepare(url, Path(cfg.data_dir))
+        await db.close()
+        return db.url.shown
+
+    shown = asyncio.run(check())
+
+    async def app() -> web.Application:
+        db = Database.connect(url)  # on the serving loop; the application does not close it, this does
+        application = create_app(cfg, db)
+
+        async def close_db(_: web.Application) -> None:
+            await db.close()
+
+        application.on_cleanup.append(close_db)
+        return application
+
+    web.run_app(app(), host=host.strip("[]"), port=int(port), access_log=None,
+                print=lambda msg: click.echo(f"keepstate gateway on http://{listen} (data: {shown})", err=True))

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import click
 
+from keepstate.apikeys import API_KEY_FORMAT, find, issue
 from keepstate.config import home
-from keepstate.db.catalog import API_KEY_FORMAT, Catalog
+from keepstate.db.repos import Keys
 from keepstate.errors import BadRequest, NotFound
 
 from .common import Group, emit_json, home_option, json_option
+from .database import db_option, run
 
 DEV_KEY_FILE = "dev-api-key"
-
-
-def _catalog() -> Catalog:
-    return Catalog(home() / "catalog.sqlite")
 
 
 @click.group(cls=Group)
@@ -39,9 +38,10 @@ def keys() -> None:
               help="Running sandboxes this key may have at once (0: unlimited); default: the server's "
                    "--max-sandboxes-per-key.")
 @home_option
+@db_option
 def create(name: str, max_sandboxes: int | None) -> None:
     """Create a key called NAME and print it (it is shown only this once)."""
-    key, secret = _catalog().create_key(name, max_sandboxes=max_sandboxes)
+    key, secret = run(lambda db: issue(Keys(db), name, max_sandboxes))
     click.echo(secret)
     click.echo(f"created {key.id} ({name}); export E2B_API_KEY={secret}", err=True)
 
@@ -50,6 +50,7 @@ def create(name: str, max_sandboxes: int | None) -> None:
 @click.argument("key")
 @click.argument("max_sandboxes")
 @home_option
+@db_option
 def limit(key: str, max_sandboxes: str) -> None:
     """Set how many running sandboxes the key KEY (its name or ID) may have at once: a number (0: unlimited) or
     `default` (the server's --max-sandboxes-per-key). Servers apply it from their next create on."""
@@ -59,13 +60,12 @@ def limit(key: str, max_sandboxes: str) -> None:
         value = int(max_sandboxes)
     else:
         raise BadRequest(f"MAX_SANDBOXES must be a whole number (0: unlimited) or `default`, not {max_sandboxes!r}")
-    cat = _catalog()
-    found = [k for k in cat.list_keys() if k.revoked_at is None and key in (k.id, k.name)]
+    found = [k for k in run(lambda db: Keys(db).list()) if k.revoked_at is None and key in (k.id, k.name)]
     if not found:
         raise NotFound(f"no active key named or with id {key!r}; see `keepstate keys ls`")
     if len(found) > 1:
         raise BadRequest(f"{len(found)} active keys are named {key!r}: name one by its ID (`keepstate keys ls`)")
-    cat.set_key_limit(found[0].id, value)
+    run(lambda db: Keys(db).set_limit(found[0].id, value))
     shown = "the server's default" if value is None else "unlimited" if value == 0 else str(value)
     click.echo(f"{found[0].id} ({found[0].name}): at most {shown} running sandboxes", err=True)
 
@@ -73,11 +73,12 @@ def limit(key: str, max_sandboxes: str) -> None:
 @keys.command("ls")
 @json_option()
 @home_option
+@db_option
 def ls(as_json: bool) -> None:
     """List keys (never their secrets)."""
-    rows = _catalog().list_keys()
+    rows = run(lambda db: Keys(db).list())
     if as_json:
-        emit_json([k.__dict__ for k in rows])
+        emit_json([dataclasses.asdict(k) for k in rows])
         return
     click.echo(f"{'ID':<18} {'NAME':<20} {'PREFIX':<8} {'CREATED':<20} {'MAX':<10} STATUS")
     for k in rows:
@@ -90,25 +91,27 @@ def ls(as_json: bool) -> None:
 @keys.command("revoke")
 @click.argument("key_id")
 @home_option
+@db_option
 def revoke(key_id: str) -> None:
-    """Revoke the key with ID KEY_ID (see `keepstate keys ls`)."""
-    if not _catalog().revoke_key(key_id):
+    """Revoke the key KEY_ID (its ID, or the name of one active key; see `keepstate keys ls`)."""
+    if not run(lambda db: Keys(db).revoke(key_id)):
         raise NotFound(f"no active key with id {key_id}; see `keepstate keys ls`")
     click.echo(f"revoked {key_id}", err=True)
 
 
 @keys.command("dev")
 @home_option
+@db_option
 def dev() -> None:
     """Print the development key, creating it on first use (used by `make up`)."""
     path = home() / DEV_KEY_FILE
-    cat = _catalog()
     if path.exists():
         secret = path.read_text().strip()
-        if cat.find_key(secret) and API_KEY_FORMAT.match(secret):  # an older dev key in our old format is replaced
+        # an older dev key in our old format is replaced
+        if API_KEY_FORMAT.match(secret) and run(lambda db: find(Keys(db), secret)):
             click.echo(secret)
             return
-    _, secret = cat.create_key("development")
+    _, secret = run(lambda db: issue(Keys(db), "development"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(secret + "\n")
     path.chmod(0o600)

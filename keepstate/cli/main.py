@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("keepstate.cli.gateway:gateway", "Run the model-call metering gateway alone."),
     "ledger": ("keepstate.cli.ledger:ledger", "Show and reconcile the model-call ledger."),
     "tls": ("keepstate.cli.tls:tls", "The router's TLS CA: where it is and how to trust it."),
+    "db": ("keepstate.cli.db:db", "The database: its revision, upgrade, and import of an older release's files."),
 }
 
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from keepstate.config import DEFAULT_DISK_MB, MAX_SANDBOXES_PER_KEY, START_WAIT_SECONDS, home
+from keepstate.errors import KeepStateError
 from keepstate.ports import API_PORT, GATEWAY_PORT
 
-from .common import Command, home_option
+from .common import EXIT_USAGE, Command, home_option
+from .database import db_option
 from .egress_options import egress_options
 from .registry_options import registry_options
 
@@ -104,6 +107,7 @@ if TYPE_CHECKING:
 @egress_options
 @registry_options
 @home_option
+@db_option
 def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store_url: str | None,
           gateway_config: str | None,
           gateway_port: int, standby_seconds: int, standby_mb: int, freeze_idle_after: float,
@@ -139,6 +143,7 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                                        tls_self_signed, tls_listen)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    db_url = check_database(secrets_key)  # before any build: a bad --db fails at once, nothing listening
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
         for name in warm_names:
@@ -151,7 +156,7 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images, domain=domain,
-                          secrets_key=secrets_key,
+                          secrets_key=secrets_key, db_url=db_url,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key),
@@ -166,3 +171,27 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                f"(data in {config.home})", err=True)
     # auto_decompress=False: the router forwards request bodies as they came (gzip uploads stay gzip).
     listeners.run(create_app(config), sites, access_log=None, shutdown_timeout=5, auto_decompress=False)
+
+
+def check_database(secrets_key: bytes) -> str:
+    """Open the database once before serving: upgraded, an older release's files imported, the secrets key the one
+    its secrets were sealed with. Any failure ends the command here with one line and exit code 2. Its URL."""
+    from keepstate.db.setup import db_url, prepare
+    from keepstate.secret import SecretStore
+    from keepstate.secret.crypto import Sealer
+
+    url = db_url(home())
+
+    async def check() -> None:
+        db = await prepare(url, home())
+        try:
+            await SecretStore(db, Sealer(secrets_key)).check_key()
+        finally:
+            await db.close()
+
+    try:
+        asyncio.run(check())
+    except KeepStateError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    return url

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from keepstate.db.errors import DatabaseUnavailable
 from keepstate.db.url import DatabaseURL, Kind, parse
+from keepstate.errors import BadRequest
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
 PG_STATEMENT_TIMEOUT = "10s"
@@ -52,14 +53,17 @@ class Database:
         self.url = url
         self._writer = writer
         self._reader = reader
+        for engine in {id(writer): writer, id(reader): reader}.values():
+            event.listen(engine.sync_engine, "before_cursor_execute", _refuse_nul)
 
     @property
     def kind(self) -> Kind:
         return self.url.kind
 
     @classmethod
-    async def open(cls, url: str | DatabaseURL) -> Database:
-        """Open `url` (see keepstate.db.url) and check it answers: BadDatabaseURL or DatabaseUnavailable if not."""
+    def connect(cls, url: str | DatabaseURL) -> Database:
+        """The Database of `url` (see keepstate.db.url), connecting to nothing yet: its first statement connects. For
+        code that must be built before the event loop runs (the server's application); `open` when it runs."""
         parsed = parse(url) if isinstance(url, str) else url
         if parsed.kind == "sqlite":
             assert parsed.path is not None
@@ -67,17 +71,25 @@ class Database:
                 parsed.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise DatabaseUnavailable(f"{parsed.shown}: cannot make {parsed.path.parent}: {e.strerror}") from e
-            db = cls(parsed, _sqlite_engine(parsed, write=True), _sqlite_engine(parsed, write=False))
-        else:
-            engine = _postgres_engine(parsed)
-            db = cls(parsed, engine, engine)
+            return cls(parsed, _sqlite_engine(parsed, write=True), _sqlite_engine(parsed, write=False))
+        engine = _postgres_engine(parsed)
+        return cls(parsed, engine, engine)
+
+    @classmethod
+    async def open(cls, url: str | DatabaseURL) -> Database:
+        """Open `url` and check it answers: BadDatabaseURL or DatabaseUnavailable if not."""
+        db = cls.connect(url)
         try:
-            async with db.read() as conn:
-                await conn.execute(text("SELECT 1"))
+            await db.ping()
         except BaseException:
             await db.close()
             raise
         return db
+
+    async def ping(self) -> None:
+        """One round trip: DatabaseUnavailable if the database does not answer."""
+        async with self.read() as conn:
+            await conn.execute(text("SELECT 1"))
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -105,6 +117,18 @@ class Database:
             if why is None:
                 raise
             raise DatabaseUnavailable(f"{self.url.shown}: {why}") from e
+
+
+def _refuse_nul(conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any,
+                executemany: bool) -> None:
+    """A text value with a NUL character is refused before it reaches either database: PostgreSQL's text cannot hold
+    one (a DataError, which would be a 500), SQLite's can; refusing it on both keeps them alike. Bytes pass."""
+    rows = parameters if executemany else [parameters]
+    for row in rows or ():
+        values = row.values() if isinstance(row, dict) else row
+        for value in values or ():
+            if isinstance(value, str) and "\x00" in value:
+                raise BadRequest("a text value cannot contain the NUL character (U+0000)")
 
 
 def unavailable_reason(e: BaseException) -> str | None:

@@ -8,6 +8,7 @@ so that a record of seventeen fields cannot be built with two of them swapped. A
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,3 +93,101 @@ class SecretRecord:
     created_at: float
     updated_at: float
     seq: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EventRecord:
+    """A row of `events`: one event of a session's hash chain, as stored. `data` is the text that was hashed (the
+    canonical JSON of the event's data): stored and returned byte for byte, never parsed here."""
+
+    session_id: str
+    seq: int
+    ts: float
+    kind: str
+    data: str
+    prev: str
+    hash: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeadRecord:
+    """Where a session's chain ends: the seq and hash of its last event (seq 0: no event yet, the row holding only a
+    journal cursor), and the journal cursor (None: never set)."""
+
+    session_id: str
+    seq: int
+    hash: str
+    journal_cursor: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionRecord:
+    """A row of `sessions`: a session of the lineage (a fork names its parent session and checkpoint)."""
+
+    session_id: str
+    template_id: str | None
+    created: float
+    parent_session: str | None = None
+    parent_checkpoint_id: str | None = None
+    state: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointRecord:
+    """A row of `checkpoints`: a published checkpoint of a session and the event it was taken at."""
+
+    checkpoint_id: str
+    session_id: str
+    parent_checkpoint_id: str | None
+    kind: str
+    event_seq: int | None
+    event_hash: str | None
+    journal_cursor: int | None
+    created: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TemplateRecord:
+    """A built template (docs/design/template-builds.md): what a create names, by ID or by its unique name."""
+
+    template_id: str
+    name: str
+    cpu: int
+    memory_mb: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildRecord:
+    """One build of a template; `checkpoint_id` is its snapshot once `ready`. `reason` is stored as JSON text."""
+
+    build_id: str
+    template_id: str
+    status: str  # waiting | building | ready | error
+    created_at: float
+    checkpoint_id: str | None = None
+    sandbox_id: str | None = None
+    reason: dict[str, Any] | None = None
+    finished_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TagRecord:
+    """`(template, tag) -> build`: what `name:tag` resolves through."""
+
+    template_id: str
+    tag: str
+    build_id: str
+    created_at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerRecord:
+    """A step-cache layer: the checkpoint a cached build starts from, and the ENV/USER/WORKDIR state that comes with
+    it (stored as JSON text). `created_at` is set by the repository when the layer is written."""
+
+    cache_key: str
+    checkpoint_id: str
+    state: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0

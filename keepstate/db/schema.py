@@ -1,6 +1,7 @@
 """Every table of the one database (docs/design/database.md, "Schema"), in SQLAlchemy Core, for SQLite and PostgreSQL.
 
-Columns are today's (db/catalog.py, session/db.py, gateway/store.py) except where the design changes them:
+Columns are those of the three SQLite files before it (catalog, sessions, gateway; db/legacy.py imports them)
+except where the design changes them:
 `sandboxes` gains node_id, epoch and version (and an index on (node_id, state)); a snapshot's names move into
 `snapshot_names`; the secrets' key fingerprint moves from `meta` into the one-row `secrets_key`; the `meta` tables go
 (Alembic's `alembic_version` is the one version scheme).

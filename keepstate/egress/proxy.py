@@ -62,7 +62,8 @@ def _nothing(*_: object) -> None:
 
 
 class Proxy:
-    def __init__(self, *, lookup: Callable[[str], Policy | None], secret_value: Callable[[str], str | None],
+    def __init__(self, *, lookup: Callable[[str], Policy | None],
+                 secret_value: Callable[[str], Awaitable[str | None]],
                  ca: CA, upstream_trust: ssl.SSLContext, guard: Callable[[str], bool],
                  on_bytes: Callable[[str, int, int], None] = _nothing,
                  on_host: Callable[[str, str], None] = _nothing,
@@ -303,22 +304,16 @@ class Proxy:
         return rewrite
 
     async def _secrets(self, host: str, names: set[str]) -> dict[str, str | None]:
-        """The values a request needs, read in a thread (the store decrypts and reads its catalog)."""
-        if not names:
-            return {}
-
-        def read() -> dict[str, str | None]:
-            out: dict[str, str | None] = {}
-            for n in sorted(names):
-                try:
-                    out[n] = self.secret_value(n)
-                except Exception as e:  # the store's own error (a wrong key): named, with no value in it
-                    log.error("egress: the secret %r for %s could not be read (%s)", n, host, type(e).__name__)
-                    raise Answer(502, f"the secret {n!r} that the egress rule for {host} uses could not be "
-                                      f"read") from None
-            return out
-
-        return await asyncio.to_thread(read)
+        """The values a request needs (the store reads the database and decrypts)."""
+        out: dict[str, str | None] = {}
+        for n in sorted(names):
+            try:
+                out[n] = await self.secret_value(n)
+            except Exception as e:  # the store's own error (a wrong key, no database): named, with no value in it
+                log.error("egress: the secret %r for %s could not be read (%s)", n, host, type(e).__name__)
+                raise Answer(502, f"the secret {n!r} that the egress rule for {host} uses could not be "
+                                  f"read") from None
+        return out
 
     def _report(self, fn: Callable[..., None], *args: object) -> None:
         try:

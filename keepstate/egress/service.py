@@ -16,7 +16,7 @@ import shutil
 import socket
 import ssl
 import subprocess
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,13 +69,13 @@ def is_local(ip: str) -> bool:
 
 class Egress:
     def __init__(self, home: Path, config: EgressConfig | None = None, datapath: bool = True,
-                 secret_value: Callable[[str], str | None] | None = None,
+                 secret_value: Callable[[str], Awaitable[str | None]] | None = None,
                  on_host: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.home = home
         self.config = config or EgressConfig()
         self.kernel = datapath  # a real runtime: slots have chains in the kernel to open or close
         self.datapath = datapath and self.config.enabled  # and this server opens them
-        self.secret_value = secret_value or (lambda name: None)
+        self.secret_value = secret_value or _no_secret
         self.on_host = on_host or (lambda sandbox_id, data: None)  # (sandbox ID, {"host", "address", "port"})
         self.ca = CA.load_or_create(home / "tls", "egress")
         self.resolver = Resolver(self.policy_for, self._upstreams())
@@ -365,3 +365,7 @@ def _may_deny_more(old: Policy, new: Policy) -> bool:
     if old == new:
         return False
     return new.denies_all or bool(new.deny_nets) or new.needs_proxy
+
+
+async def _no_secret(name: str) -> str | None:
+    return None

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from keepstate.db.errors import DatabaseUnavailable
+from keepstate.db.repos.ledger import Attempt, Ledger
 from keepstate.gateway import errors, providers
 from keepstate.gateway.config import ProviderConfig
 from keepstate.gateway.errors import GatewayError
 from keepstate.gateway.prices import PriceTable
 from keepstate.gateway.sse import SseSplitter, split_all
-from keepstate.gateway.store import Attempt, Store
 from keepstate.gateway.usage import StreamUsage, Usage, event_payload, from_response
+
+log = logging.getLogger("keepstate.gateway")
+
+# How long a finished call's outcome is retried while the database is unavailable (the call stays in flight
+# meanwhile, and its clients wait): the provider has answered, and billed, so the outcome must not be lost.
+STORE_RETRY_S = 120.0
 
 
 @dataclass
@@ -73,13 +81,12 @@ class UpstreamCall:
 
     def __init__(
         self, call: InflightCall, attempt: Attempt, provider: ProviderConfig, request: providers.UpstreamRequest,
-        store: Store, prices: PriceTable, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
+        ledger: Ledger, prices: PriceTable, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
         on_done: Callable[[InflightCall], None],
     ) -> None:
         self.call, self.attempt, self.provider, self.request = call, attempt, provider, request
-        self.store, self.prices, self.session, self.timeout, self.on_done = store, prices, session, timeout, on_done
+        self.ledger, self.prices, self.session, self.timeout, self.on_done = ledger, prices, session, timeout, on_done
         self._raw: list[bytes] = []
-        self.reserved = True  # whether a budget reservation was made for this attempt (else nothing to settle)
 
     async def run(self) -> None:
         call = self.call
@@ -113,12 +120,12 @@ class UpstreamCall:
                 outcome = "broken"
         except BaseException:
             # Cancellation only happens at gateway shutdown: the call stays `inflight` and is recovered as
-            # interrupted by the next gateway to open the store.
+            # interrupted by the next gateway that starts.
             call.broken = call.finished = True
             call.notify()
             raise
         try:
-            self._store(outcome, usage)
+            await self._store(outcome, usage)
         finally:
             call.chunks.extend(held)
             call.broken = outcome == "broken"
@@ -148,16 +155,31 @@ class UpstreamCall:
         complete = bool(held) or call.endpoint not in ("chat", "messages", "responses")
         return ("ok" if complete else "broken"), acc.usage, held
 
-    def _store(self, outcome: str, usage: Usage | None) -> None:
+    async def _store(self, outcome: str, usage: Usage | None) -> None:
         call, ok = self.call, outcome == "ok"
         cost = self.prices.cost_nano(self.attempt.model, usage) if usage else 0
-        call.entry_id = self.store.finish_upstream(
-            self.attempt, ok=ok, outcome=outcome, http_status=call.status, content_type=call.content_type,
-            response=b"".join(self._raw), usage=usage, request_id=call.request_id, cost_nano=cost or 0,
-            priced=cost is not None, reserved=self.reserved,
-        )
+        response = b"".join(self._raw)
+        delay, deadline = 0.1, time.monotonic() + STORE_RETRY_S
+        while True:
+            try:
+                # Billed once: a retry after a commit whose answer was lost finds the call finished (None).
+                entry_id = await self.ledger.finish_upstream(
+                    self.attempt, ok=ok, outcome=outcome, http_status=call.status, content_type=call.content_type,
+                    response=response, usage=usage.to_dict() if usage else None, request_id=call.request_id,
+                    cost_nano=cost or 0, priced=cost is not None,
+                )
+                break
+            except DatabaseUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("call %s: storing its outcome failed, retrying: %s", call.key, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if entry_id is None:
+            log.warning("call %s was finished already (recovered by another gateway?): not billed again", call.key)
+        call.entry_id = entry_id
         for joiner in call.joiners:
-            self.store.record_served("joined", joiner, call.entry_id, call.status)
+            await self.ledger.record_served("joined", joiner, call.entry_id, call.status)
 
 
 def _usage_of(endpoint: str, body: bytes) -> Usage | None:

@@ -50,10 +50,6 @@ class GatewayConfig:
     # instance runs a moment before the server registers it) before it is answered 503.
     binding_wait_s: float = 10.0
 
-    @property
-    def db_path(self) -> Path:
-        return Path(self.data_dir) / "gateway.sqlite"
-
     def provider_for(self, kind: ProviderKind, model: str) -> ProviderConfig | None:
         for p in self.providers:
             if p.kind == kind and p.serves(model):

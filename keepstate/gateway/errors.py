@@ -2,7 +2,7 @@
 
     GatewayError                      an answer the gateway gives itself, never an upstream one
      |- status, flavour-neutral type ("invalid_request", "authentication", "not_found", "rate_limit",
-     |  "budget", "conflict", "unavailable", "upstream", "timeout"), message
+     |  "budget", "conflict", "unavailable", "database", "upstream", "timeout"), message
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _TYPES: dict[str, tuple[str, str | None, str]] = {
     "budget": ("insufficient_quota", "insufficient_quota", "rate_limit_error"),
     "conflict": ("server_error", "call_in_progress", "api_error"),
     "unavailable": ("server_error", "sandbox_not_bound", "overloaded_error"),
+    "database": ("server_error", "database_unavailable", "overloaded_error"),
     "upstream": ("server_error", "upstream_error", "api_error"),
     "timeout": ("server_error", "upstream_timeout", "api_error"),
     "internal": ("server_error", None, "api_error"),
@@ -74,6 +75,11 @@ def not_bound_yet(peer: str) -> GatewayError:
     # 503 and a retry-after: the SDKs retry it, and by then the sandbox instance is usually bound.
     return GatewayError(503, "unavailable", f"The sandbox at {peer} is not registered with the gateway yet; retry.",
                         headers={"retry-after": "1", "x-should-retry": "true"})
+
+
+def database_unavailable(message: str) -> GatewayError:
+    # As the server answers when its database is down (docs/design/database.md): 503, retry in 2 s. The SDKs retry it.
+    return GatewayError(503, "database", message, headers={"retry-after": "2", "x-should-retry": "true"})
 
 
 def upstream_unreachable(provider: str, detail: str) -> GatewayError:

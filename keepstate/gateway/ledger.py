@@ -7,8 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from keepstate.db.repos.ledger import Ledger
 from keepstate.gateway.prices import PriceTable
-from keepstate.gateway.store import Store
 from keepstate.gateway.usage import from_stored
 
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "reasoning_tokens")
@@ -37,12 +37,12 @@ def totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def reconcile(
-    store: Store, prices: PriceTable, provider_counts: dict[str, dict[str, Any]] | None = None
+async def reconcile(
+    ledger: Ledger, prices: PriceTable, provider_counts: dict[str, dict[str, Any]] | None = None
 ) -> list[Mismatch]:
     """`provider_counts`: provider name -> its own count ({"requests", "calls", "input_tokens", "output_tokens"})."""
     out: list[Mismatch] = []
-    entries = store.entries()
+    entries = await ledger.entries()
     by_id = {e["entry_id"]: e for e in entries}
     ok_by_call: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in entries:
@@ -55,7 +55,7 @@ def reconcile(
         if e["kind"] == "upstream" and not e["priced"]:
             out.append(Mismatch("price", f"entry {e['entry_id']}", f"model {e['model']} has no price"))
 
-    for call in store.calls():
+    for call in await ledger.calls():
         oks = ok_by_call.get(call.call_key, [])
         if call.status == "interrupted":
             out.append(Mismatch("outcome", call.call_key, "interrupted: the provider may have billed it (unknown)"))
@@ -81,9 +81,9 @@ def reconcile(
         spent[("session", e["session_id"])] += e["cost_nano"]
         if e["api_key_id"]:
             spent[("key", e["api_key_id"])] += e["cost_nano"]
-    for b in store.budgets():
+    for b in await ledger.budgets():
         scope = (b["scope"], b["ident"])
-        if b["reserved_nano"] and not _anything_inflight(store):
+        if b["reserved_nano"] and not await ledger.any_inflight():
             out.append(Mismatch("budget", f"{b['scope']} {b['ident']}",
                                 f"{b['reserved_nano']} nUSD still reserved with no call in flight"))
         # Spent may exceed the ledger (an interrupted call is charged its whole reservation), never fall short.
@@ -108,6 +108,3 @@ def reconcile(
                 out.append(Mismatch("provider", name, f"{what}: ledger {ours}, provider {theirs}"))
     return out
 
-
-def _anything_inflight(store: Store) -> bool:
-    return store.db.execute("SELECT 1 FROM calls WHERE status='inflight' LIMIT 1").fetchone() is not None

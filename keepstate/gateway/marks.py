@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from keepstate.gateway.store import Position
+from keepstate.db.repos.ledger import Position
 
 # A restored run that made this many calls without matching its source run has not re-issued anything.
 ALIGN_ATTEMPTS = 8

@@ -7,6 +7,8 @@ from typing import Any
 
 from aiohttp import web
 
+from keepstate.db.engine import Database
+from keepstate.db.errors import DatabaseUnavailable
 from keepstate.gateway import errors, providers
 from keepstate.gateway.config import GatewayConfig
 from keepstate.gateway.errors import GatewayError
@@ -16,9 +18,10 @@ GATEWAY = web.AppKey("keepstate_gateway", Gateway)
 MAX_BODY = 64 * 1024 * 1024
 
 
-def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> web.Application:
-    """The gateway as an aiohttp application; `app[GATEWAY]` is its Gateway (register_run, budgets...)."""
-    gw = gateway or Gateway(config)
+def create_app(config: GatewayConfig, db: Database, gateway: Gateway | None = None) -> web.Application:
+    """The gateway as an aiohttp application on the process's Database (which the application does not close);
+    `app[GATEWAY]` is its Gateway (register_run, budgets...)."""
+    gw = gateway or Gateway(config, db)
     app = web.Application(client_max_size=MAX_BODY)
     app[GATEWAY] = gw
 
@@ -65,9 +68,11 @@ def _handler(endpoint: str) -> Any:
             body = _parse(raw)
             req = CallRequest(token, endpoint, body, raw, {k.lower(): v for k, v in request.headers.items()},
                               request.remote)
-            answer = gw.begin(req)
+            answer = await gw.begin(req)
         except GatewayError as e:
             return error_response(e, flavour)
+        except DatabaseUnavailable as e:
+            return error_response(errors.database_unavailable(str(e)), flavour)
         return await _send(request, gw, answer, flavour, req.stream)
 
     return handle
@@ -122,7 +127,7 @@ async def _send(request: web.Request, gw: Gateway, answer: Answer, flavour: str,
         await resp.write_eof()
     except ConnectionError:
         return resp  # the client left; the upstream call goes on and is stored
-    gw.delivered(answer)
+    await gw.delivered(answer)
     return resp
 
 
@@ -139,7 +144,7 @@ async def _write_whole(
         await resp.write_eof()
     except ConnectionError:
         return resp
-    gw.delivered(answer)
+    await gw.delivered(answer)
     return resp
 
 
@@ -150,6 +155,8 @@ async def _models(request: web.Request) -> web.Response:
         await gw.authenticate_waiting(_token(request), request.remote)
     except GatewayError as e:
         return error_response(e, "anthropic" if anthropic else "openai")
+    except DatabaseUnavailable as e:
+        return error_response(errors.database_unavailable(str(e)), "anthropic" if anthropic else "openai")
     if anthropic:
         ids = gw.listed_models("anthropic")
         data: list[dict[str, Any]] = [

@@ -82,7 +82,7 @@ def record_slot_owner(slot: int, home: str, name: str) -> None:
 def orphaned_slots() -> list[tuple[int, str]]:
     """Slots whose owning data directory no longer exists: (slot, runtime name) to reap."""
     return [(slot, str(o["name"])) for slot, o in _owners()
-            if not os.path.exists(os.path.join(o["home"], "catalog.sqlite"))]
+            if not os.path.isdir(o["home"])]
 
 
 def _owners() -> list[tuple[int, dict[str, str]]]:

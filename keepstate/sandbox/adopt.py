@@ -26,13 +26,13 @@ async def sweep_orphans(m: SandboxManager) -> None:
     """Reap sandboxes whose server's data directory was deleted (nobody can ever adopt them)."""
     for slot, name in await asyncio.to_thread(m.slots.orphaned):
         log.warning("reaping orphaned sandbox %s (its data directory is gone)", name)
-        m.instances.teardowns.later(name, slot)
+        await m.instances.teardowns.later(name, slot)
 
 
 async def adopt(m: SandboxManager) -> None:
-    m.instances.teardowns.resume()  # first: their slots stay held, and no sweep below takes them for unknown
+    await m.instances.teardowns.resume()  # first: their slots stay held, and no sweep below takes them for unknown
     await sweep_orphans(m)
-    rows = m.catalog.sandboxes()
+    rows = await m.rows.list()
     statuses = await asyncio.to_thread(m.runtime.statuses)
     # unknown: its state could not be read; never reap on a failed read
     alive = {name for name, status in statuses.items() if status in ("running", "unknown")}
@@ -56,11 +56,11 @@ async def adopt(m: SandboxManager) -> None:
             else:  # the host restarted or someone removed it: the checkpoint remains
                 s.retired, s.standby = s.standby, None
         if s.retired is not None:  # an instance stopped by a pause whose teardown a crash interrupted
-            m.instances.reap_later(row.with_instance(s.retired), keep_row=True)
+            await m.instances.reap_later(row.with_instance(s.retired), keep_row=True)
             s.retired = None
         if row.state == State.PAUSED:
             row.runtime_name, row.slot, row.address = "", -1, ""
-            m.catalog.put_sandbox(row)
+            await m.rows.put(row)
             m.records[row.sandbox_id] = row
             continue
         m.slots.adopt(row.slot)
@@ -80,7 +80,7 @@ async def adopt(m: SandboxManager) -> None:
             # A server that stopped (or died) with it frozen while idle: it runs again; this server's freezer
             # freezes it anew once it is idle.
             await asyncio.to_thread(m.runtime.idle_thaw, handle_of(row))
-            m.catalog.put_sandbox(row)
+            await m.rows.put(row)
             if row.state == State.RUNNING:
                 m.records[row.sandbox_id] = row
                 try:  # this server's resolver and proxy listen on new ports: the slot's rules name them anew
@@ -94,7 +94,7 @@ async def adopt(m: SandboxManager) -> None:
             log.info("adopted %s sandbox %s", row.state, row.sandbox_id)
         else:
             log.warning("sandbox %s (%s) is gone or stale; reaping", row.sandbox_id, row.state)
-            m.instances.reap_later(row)
+            await m.instances.reap_later(row)
     await sweep_unknown(m)
 
 
@@ -102,7 +102,7 @@ async def sweep_unknown(m: SandboxManager) -> None:
     """Reap instances recorded in the slot table for this data directory that no row knows: started by a command
     the crash interrupted before its row named them (a resume's or a fork's restore)."""
     known = {name for p in m.pools.values() for name in p.names()} | m.instances.teardowns.names()
-    for row in m.catalog.sandboxes():
+    for row in await m.rows.list():
         known.add(row.runtime_name)
         for inst in (row.settings.standby, row.settings.retired):
             if inst is not None:
@@ -110,4 +110,4 @@ async def sweep_unknown(m: SandboxManager) -> None:
     for slot, name in await asyncio.to_thread(m.slots.owned):
         if name not in known:
             log.warning("reaping instance %s in slot %d: no sandbox of this server knows it", name, slot)
-            m.instances.teardowns.later(name, slot)
+            await m.instances.teardowns.later(name, slot)

@@ -137,6 +137,11 @@ class AgentClient:
         """The monotonic time a call or proxied request into the sandbox last started or ended; 0 if none did."""
         return self._active.get(sandbox_id, 0.0)
 
+    def started(self, sandbox_id: str) -> None:
+        """A sandbox handed out now counts as active now: the idle freezer leaves it alone for its first `after`
+        seconds, not only from its first call (a claimed warm sandbox may get none before its create answers)."""
+        self._active[sandbox_id] = time.monotonic()
+
     def busy(self, sandbox_id: str) -> bool:
         """Whether a call or proxied request (not a poll) is in flight into the sandbox."""
         return bool(self._busy[sandbox_id])

@@ -100,17 +100,17 @@ class Checkpoints:
                 manifest = await self._ingest(row, image, kind, parent_id, ref, checkpoint_id, listening=listening)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+                await self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
             if frozen:
                 try:
                     await asyncio.to_thread(self.runtime.thaw, handle)
                 except RuntimeFailure as thaw_exc:
                     log.error("sandbox %s stays frozen after a failed pause: %s", row.sandbox_id, thaw_exc)
             raise
-        self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
+        await self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
         log.info("checkpoint %s of %s (%s): paused %.0f ms, ingest %.0f ms", checkpoint_id, row.sandbox_id, kind,
                  (frozen_until - frozen_from) * 1000, (time.monotonic() - started) * 1000)
-        self.gateway.mark_checkpoint(row, checkpoint_id, frozen_from, frozen_until)
+        await self.gateway.mark_checkpoint(row, checkpoint_id, frozen_from, frozen_until)
         return manifest
 
     async def _ingest(self, row: SandboxRow, image: Path, kind: str, parent_id: str | None, ref: EventRef | None,
@@ -155,9 +155,9 @@ class Checkpoints:
         except BaseException as exc:
             shutil.rmtree(spool, ignore_errors=True)
             if isinstance(exc, Exception):
-                self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
+                await self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
             raise
-        self.recorder.checkpoint_published(session, checkpoint_id, parent_id, "pause", ref)
+        await self.recorder.checkpoint_published(session, checkpoint_id, parent_id, "pause", ref)
         log.info("filesystem checkpoint %s of %s: %d bytes exported in %.0f ms, ingest %.0f ms", checkpoint_id,
                  row.sandbox_id, size, (exported - started) * 1000, (time.monotonic() - exported) * 1000)
         return manifest
@@ -179,7 +179,7 @@ class Checkpoints:
             return False
         row.runtime_name, row.slot, row.address = standby.name, standby.slot, standby.address
         row.end_at = time.time() + timeout
-        self.gateway.rebind(row)
+        await self.gateway.rebind(row)
         return True
 
     async def restore(self, row: SandboxRow, timeout: int,
@@ -193,7 +193,7 @@ class Checkpoints:
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
         memory = has_memory(manifest)
-        mounts = self.instances.mounts(row.settings.volume_mounts)
+        mounts = await self.instances.mounts(row.settings.volume_mounts)
         limits = row_limits(row)
         claimed = pooled(built, limits) if pooled is not None and not memory and not mounts else None
         pooled_token = claimed.access_token if claimed is not None else None  # its agent's, until our /init
@@ -218,7 +218,7 @@ class Checkpoints:
         row.runtime_name, row.slot, row.address = fresh.runtime_name, fresh.slot, fresh.address
         row.template_digest = built.digest
         row.end_at = time.time() + timeout
-        self.gateway.rebind(row)
+        await self.gateway.rebind(row)
 
     async def _restore_onto(self, row: SandboxRow, built: Built, image: Path, limits: Limits,
                             mounts: tuple[Mount, ...], memory: bool, claimed: SandboxRow | None,
@@ -232,7 +232,7 @@ class Checkpoints:
         elif claimed is not None:
             # Its pool record goes now: a server killed from here on reaps the instance as unknown, never
             # hands it out again with these files in it.
-            self.instances.catalog.delete_sandbox(claimed.sandbox_id)
+            await self.instances.rows.delete(claimed.sandbox_id)
             handle = Handle(claimed.runtime_name, claimed.slot, Endpoint(claimed.address))
             slot = claimed.slot
             await self.instances.open_egress(slot, *network)
@@ -252,7 +252,7 @@ class Checkpoints:
                 applied = time.monotonic()
                 if claimed is None:
                     await self.instances.wait_services(fresh, built)
-                await self.instances.init_agent(fresh, self.gateway.env(fresh), previous_token=pooled_token)
+                await self.instances.init_agent(fresh, await self.gateway.env(fresh), previous_token=pooled_token)
                 log.info("cold boot of %s from %s (%s): booted in %.0f ms, %d entries applied in %.0f ms, ready "
                          "%.0f ms later", row.sandbox_id, checkpoint_id, "pooled" if claimed else "new",
                          (booted - started) * 1000, entries, (applied - booted) * 1000,
@@ -268,7 +268,7 @@ class Checkpoints:
         """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session.
         `pooled`: for a built template's warm pool (creates.py): POOLED rows, their slots sending nothing until a
         create claims them, each restore waiting behind every user start."""
-        self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
+        await self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
 
@@ -303,7 +303,7 @@ class Checkpoints:
         # its parent's network policy.
         child_id = new_sandbox_id()
         handle, slot = await self.instances.restore(image, built, row_limits(parent),
-                                                    self.instances.mounts(parent.settings.volume_mounts),
+                                                    await self.instances.mounts(parent.settings.volume_mounts),
                                                     None if pooled else (child_id, parent.settings.policy))
         assert handle.endpoint is not None
         now = time.time()
@@ -316,12 +316,12 @@ class Checkpoints:
                          address=handle.endpoint.address, access_token=secrets.token_hex(16), started_at=now,
                          end_at=now + timeout, cpu=parent.cpu, memory_mb=parent.memory_mb,
                          api_key_id=api_key_id or parent.api_key_id, settings=settings)
-        self.gateway.rebind(row, parent_session=parent.session_id)
-        self.instances.catalog.put_sandbox(row)
+        await self.gateway.rebind(row, parent_session=parent.session_id)
+        await self.instances.rows.put(row)
         try:
             await self.agents.wait_ready(child_id, row.address, RESTORED_AGENT_TIMEOUT)
             await self.instances.wait_ports(row, self.restored_ports(manifest, built), RESTORED_PORTS_TIMEOUT)
-            await self.instances.init_agent(row, self.gateway.env(row), previous_token=parent.access_token,
+            await self.instances.init_agent(row, await self.gateway.env(row), previous_token=parent.access_token,
                                             fork=True)
         except BaseException:
             await self.instances.reap(row)

@@ -126,7 +126,7 @@ class Creates:
         except BaseException:
             await m.instances.reap(row)
             raise
-        m.catalog.put_sandbox(row)
+        await m.rows.put(row)
         return row
 
     def pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
@@ -154,7 +154,7 @@ class Creates:
         m = self.m
         if req.timeout <= 0:
             raise BadRequest("`timeout` must be a positive number of seconds")
-        snap = m.find_snapshot(req.template_id)
+        snap = await m.find_snapshot(req.template_id)
         if snap is not None:
             return await self._from_snapshot(snap, req, api_key_id)
         built = await self.built(req.template_id)
@@ -170,7 +170,7 @@ class Creates:
         with m.places.reserve(api_key_id, check_host=not claim):
             row = self.take(pool) if claim else None
             if row is None:
-                row = await m.instances.start(built, limits, m.instances.mounts(volume_mounts))
+                row = await m.instances.start(built, limits, await m.instances.mounts(volume_mounts))
             require(Command.CREATE, row.state, row.sandbox_id)
             old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
             now = time.time()
@@ -188,17 +188,18 @@ class Creates:
             row.state = State.RUNNING
             try:
                 await m.instances.attach(row)
-                env = m.gateway.env(row)
+                env = await m.gateway.env(row)
                 if not ready_token or env != dict(d.env):
                     # Something the pool could not know: this request's env vars, or its gateway token.
                     await m.instances.init_agent(row, env, previous_token=ready_token or None)
-                m.catalog.rename_sandbox(old_id, row)
+                await m.rows.claim(old_id, row)
             except BaseException:
                 await m.instances.reap(row, catalog_id=old_id)
                 raise
+            m.agents.started(row.sandbox_id)
             m.records[row.sandbox_id] = row
-        m.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
-                           agent_url=agent_url(row.address), token=row.access_token)
+        await m.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
+                                 agent_url=agent_url(row.address), token=row.access_token)
         return row
 
     async def _from_snapshot(self, snap: dict[str, Any], req: CreateRequest, api_key_id: str | None) -> SandboxRow:
@@ -270,7 +271,7 @@ class Creates:
             s = row.settings
             now = time.time()
             row.started_at, row.end_at, row.api_key_id = now, now + req.timeout, api_key_id
-            pool_env = m.gateway.env(row)
+            pool_env = await m.gateway.env(row)
             s.metadata = dict(req.metadata)
             s.env_vars = {**s.env_vars, **req.env_vars}
             s.auto_pause, s.auto_resume, s.starting_timeout = req.auto_pause, req.auto_resume, req.timeout
@@ -280,16 +281,16 @@ class Creates:
             row.state = State.RUNNING
             try:
                 await m.instances.attach(row)
-                env = m.gateway.env(row)
+                env = await m.gateway.env(row)
                 if env != pool_env:  # this request's env vars: the agent hears them (and its identity again)
                     await m.instances.init_agent(row, env, previous_token=row.access_token, fork=True)
-                m.catalog.put_sandbox(row)
+                await m.rows.put(row)
             except BaseException:
                 await m.instances.reap(row)
                 raise
             m.records[row.sandbox_id] = row
-        m.recorder.forked(held.parent.session_id, row.sandbox_id, held.manifest.checkpoint_id,
-                          agent_url=agent_url(row.address), token=row.access_token)
+        await m.recorder.forked(held.parent.session_id, row.sandbox_id, held.manifest.checkpoint_id,
+                                agent_url=agent_url(row.address), token=row.access_token)
         return row
 
     def drop_pool(self, checkpoint_id: str) -> None:
@@ -304,7 +305,7 @@ class Creates:
             await held.pool.stop()
             for row in held.pool.drain():
                 m.idle.forget(row.sandbox_id)
-                m.gateway.end(row)
+                await m.gateway.end(row)
                 await m.instances.reap(row)
 
         m.instances.in_background(retire())

@@ -227,14 +227,14 @@ HOME_MARK = ".home"  # in each server's folder in RAM: the data directory it bel
 
 
 def sweep_ram_folders(root: Path) -> list[Path]:
-    """Remove the keepstate-* folders under `root` whose data directory has no catalog any more; return them."""
+    """Remove the keepstate-* folders under `root` whose data directory is gone; return them."""
     gone = []
     for folder in root.glob("keepstate-*"):
         try:
             home = Path((folder / HOME_MARK).read_text().strip())
         except OSError:
             continue  # not marked: whose it is cannot be told, so it stays
-        if not (home / "catalog.sqlite").exists():
+        if not home.is_dir():
             shutil.rmtree(folder, ignore_errors=True)
             gone.append(folder)
     return gone

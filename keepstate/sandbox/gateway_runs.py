@@ -23,12 +23,12 @@ class GatewayRuns:
         self.gateway = gateway
         self.url = url
 
-    def env(self, row: SandboxRow) -> dict[str, str]:
+    async def env(self, row: SandboxRow) -> dict[str, str]:
         """Template env, then the metering gateway's variables, then the create request's own."""
         s = row.settings
         env = dict(s.template_env)
         if self.gateway is not None and self.url and s.gateway:
-            token = s.gateway_token or self.register(row)
+            token = s.gateway_token or await self.register(row)
             env.update(self.gateway.sandbox_env(token, self.url))
         env.update(s.env_vars)
         return env
@@ -36,28 +36,30 @@ class GatewayRuns:
     def metered(self, row: SandboxRow) -> bool:
         return self.gateway is not None and bool(row.settings.gateway_token)
 
-    def register(self, row: SandboxRow, parent_session: str | None = None) -> str:
+    async def register(self, row: SandboxRow, parent_session: str | None = None) -> str:
         """A new gateway run for the row's current instance, bound to its address; recorded in the row."""
         assert self.gateway is not None
-        token = self.gateway.register_run(row.session_id, row.sandbox_id, row.api_key_id, row.settings.checkpoint_id,
-                                          parent_session_id=parent_session, source_ip=row.address)
+        token = await self.gateway.register_run(row.session_id, row.sandbox_id, row.api_key_id,
+                                                row.settings.checkpoint_id, parent_session_id=parent_session,
+                                                source_ip=row.address)
         row.settings.gateway_token = token
         return token
 
-    def rebind(self, row: SandboxRow, parent_session: str | None = None) -> None:
+    async def rebind(self, row: SandboxRow, parent_session: str | None = None) -> None:
         """A new instance of a metered sandbox (resume, fork): a new run for its address."""
         if self.gateway is not None and row.settings.gateway_token:
-            self.register(row, parent_session)
+            await self.register(row, parent_session)
 
-    def end(self, row: SandboxRow) -> None:
+    async def end(self, row: SandboxRow) -> None:
         if self.gateway is not None and row.settings.gateway_token:
-            self.gateway.end_run(row.settings.gateway_token)
+            await self.gateway.end_run(row.settings.gateway_token)
 
-    def mark_checkpoint(self, row: SandboxRow, checkpoint_id: str, frozen_from: float, frozen_until: float) -> None:
+    async def mark_checkpoint(self, row: SandboxRow, checkpoint_id: str, frozen_from: float,
+                              frozen_until: float) -> None:
         if not self.metered(row):
             return
         assert self.gateway is not None
         try:
-            self.gateway.mark_checkpoint(row.session_id, checkpoint_id, frozen_from, frozen_until)
+            await self.gateway.mark_checkpoint(row.session_id, checkpoint_id, frozen_from, frozen_until)
         except LookupError as exc:  # no active run: nothing to mark, say so
             log.warning("gateway mark for checkpoint %s: %s", checkpoint_id, exc)

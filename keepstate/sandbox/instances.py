@@ -15,7 +15,6 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from keepstate.db.catalog import Catalog
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress
 from keepstate.runtime.base import Handle, Limits, Mount, Runtime, RuntimeFailure, SandboxSpec, TemplateRoot
@@ -25,7 +24,8 @@ from keepstate.volume import Volumes
 from .admission import StartQueue
 from .agent_client import SETTLE, AgentClient, agent_url
 from .boot_images import BootImages
-from .record import SandboxRow
+from .record import SandboxRow, TeardownRecord
+from .rows import SandboxRows
 from .slots import Slots
 from .state import State
 from .teardowns import Teardowns
@@ -50,10 +50,10 @@ def new_runtime_name() -> str:
 
 
 class Instances:
-    def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, agents: AgentClient,
+    def __init__(self, rows: SandboxRows, runtime: Runtime, slots: Slots, agents: AgentClient,
                  templates: Templates, starts: StartQueue, volumes: Volumes | None = None,
                  boot_images: BootImages | None = None, egress: Egress | None = None) -> None:
-        self.catalog = catalog
+        self.rows = rows
         self.egress = egress
         self.starts = starts  # every start holds one of its slots: here (start), or its caller (boot, restore)
         self.boot_images = boot_images
@@ -62,7 +62,7 @@ class Instances:
         self.slots = slots
         self.agents = agents
         self.templates = templates
-        self.teardowns = Teardowns(catalog, runtime, slots)
+        self.teardowns = Teardowns(rows, runtime, slots)
         self._background: set[asyncio.Task[None]] = set()
 
     def spec(self, built: Built, limits: Limits, name: str | None = None,
@@ -71,13 +71,13 @@ class Instances:
                                                                                    built.rootfs), limits=limits,
                            mounts=mounts)
 
-    def mounts(self, volume_mounts: list[dict[str, str]]) -> tuple[Mount, ...]:
+    async def mounts(self, volume_mounts: list[dict[str, str]]) -> tuple[Mount, ...]:
         """The bind mounts of a sandbox's volumes (Settings.volume_mounts); Refused when one is gone."""
         if not volume_mounts:
             return ()
         if self.volumes is None:
             raise RuntimeFailure("this server has no volume store, yet a sandbox mounts volumes")
-        return tuple(Mount(self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts)
+        return tuple([Mount(await self.volumes.source(m["volume_id"], m["name"]), m["path"]) for m in volume_mounts])
 
     async def start(self, built: Built, limits: Limits, mounts: tuple[Mount, ...] = (),
                     refill: bool = False) -> SandboxRow:
@@ -109,7 +109,7 @@ class Instances:
         row = SandboxRow(sandbox_id=spec.name, state=State.POOLED, template_id=built.name,
                          template_digest=built.digest, runtime_name=spec.name, slot=slot, address="",
                          access_token="", started_at=now, end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
-        self.catalog.put_sandbox(row)
+        await self.rows.put(row)
         self.slots.bind(slot, spec.name)
         try:
             await self.close_egress(slot)  # a pooled sandbox sends nothing until a create claims it
@@ -119,7 +119,7 @@ class Instances:
                 handle = await asyncio.to_thread(self.runtime.restore, spec, image, slot)
             assert handle.endpoint is not None
             row.address = handle.endpoint.address
-            self.catalog.put_sandbox(row)
+            await self.rows.put(row)
             await self.agents.wait_ready(row.sandbox_id, row.address,
                                          AGENT_READY_TIMEOUT if image is None else RESTORED_AGENT_TIMEOUT)
             await self.wait_services(row, built)
@@ -155,7 +155,7 @@ class Instances:
                 await self.open_egress(slot, *network)
             handle = await asyncio.to_thread(start, spec, slot)
         except BaseException:
-            self.teardowns.later(spec.name, slot)  # whatever the failed start left; the slot is released then
+            await self.teardowns.later(spec.name, slot)  # whatever the failed start left; the slot is released then
             raise
         return handle, slot
 
@@ -221,10 +221,10 @@ class Instances:
     async def reap(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> None:
         """Tear the row's instance down (teardowns.py: recorded first, retried until nothing is left, its slot
         released then); drop its catalog row unless keep_row. Returns after the first attempt."""
-        if self.reap_later(row, catalog_id, keep_row):
+        if await self.reap_later(row, catalog_id, keep_row):
             await self.teardowns.attempt(row.runtime_name)
 
-    def reap_later(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> bool:
+    async def reap_later(self, row: SandboxRow, catalog_id: str | None = None, keep_row: bool = False) -> bool:
         """As reap, leaving the teardown to the retry loop (due at once): adoption reaps many rows and waits for none.
         Whether there is a teardown."""
         slot = row.slot
@@ -235,10 +235,11 @@ class Instances:
                 self.egress.detach(slot, row.sandbox_id)
             except OSError as exc:  # the next owner of the slot closes it anew (close_egress)
                 log.warning("closing the egress of slot %d: %s", slot, exc)
+        if not keep_row:  # the row goes in the transaction that records its teardown: one of them survives a crash
+            teardown = TeardownRecord(row.runtime_name, slot, next_try=time.time()) if row.runtime_name else None
+            await self.rows.delete(catalog_id or row.sandbox_id, teardown)
         if row.runtime_name:
-            self.teardowns.later(row.runtime_name, slot)
-        if not keep_row:
-            self.catalog.delete_sandbox(catalog_id or row.sandbox_id)
+            await self.teardowns.later(row.runtime_name, slot, recorded=not keep_row)
         if not row.runtime_name and slot >= 0:
             self.slots.release(slot)
         return bool(row.runtime_name)

@@ -19,11 +19,14 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keepstate.config import DEFAULT_DISK_MB
-from keepstate.db.catalog import Catalog
+from keepstate.db.engine import Database
+from keepstate.db.repos import Keys
+from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import BadRequest, NotFound, Unsupported
@@ -46,6 +49,7 @@ from .idle import DEFAULT_AFTER, IdleFreezer
 from .instances import Instances, handle_of
 from .pool import Pool
 from .record import Instance, SandboxRow, Settings
+from .rows import SandboxRows
 from .slots import Slots
 from .standby import StandbyCache
 from .state import Command, State, listed, require
@@ -65,14 +69,18 @@ __all__ = ["CreateRequest", "DEFAULT_TIMEOUT", "MAX_FORKS", "MAX_TIMEOUT", "Sand
 
 
 class SandboxManager:
-    def __init__(self, catalog: Catalog, runtime: Runtime, *, templates: Templates, recorder: SessionRecorder,
+    def __init__(self, db: Database, runtime: Runtime, *, home: Path, templates: Templates, recorder: SessionRecorder,
                  durable: Durability, pool_size: int = 2, template_pool_size: int = 1, gateway: Gateway | None = None,
                  gateway_url: str | None = None, host_name: str = "", standby_seconds: float = 300,
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
                  freeze_idle_after: float = DEFAULT_AFTER, secrets: SecretStore | None = None,
-                 egress: Egress | None = None) -> None:
-        self.catalog = catalog
+                 egress: Egress | None = None, node_id: str = LOCAL_NODE) -> None:
+        self.db = db
+        self.home = home
+        self.rows = SandboxRows(db, node_id)
+        self.keys = Keys(db)
+        self._key_limits: dict[str, tuple[str, int | None]] = {}  # read at each create, resume and fork
         self.secrets = secrets  # the egress service asks it `exists(name)` (policies) and `value(name)` (the proxy)
         self.runtime = runtime
         self.templates = templates
@@ -83,15 +91,15 @@ class SandboxManager:
         self.template_pool_size = template_pool_size
         self.disk_mb = disk_mb
         self.agents = AgentClient()
-        self.slots = Slots(runtime.slots, str(catalog.path.parent))
+        self.slots = Slots(runtime.slots, str(home))
         self.volumes = volumes
         # Without one (tests of the manager alone): policies are remembered, nothing leaves.
-        self.egress = egress or Egress(catalog.path.parent, EgressConfig(enabled=False), datapath=False)
+        self.egress = egress or Egress(home, EgressConfig(enabled=False), datapath=False)
         self.egress.on_host = self._egress_host
         admission = admission or AdmissionConfig()
-        self.instances = Instances(catalog, runtime, self.slots, self.agents, templates,
+        self.instances = Instances(self.rows, runtime, self.slots, self.agents, templates,
                                    admission.start_queue_for(), volumes,
-                                   BootImages(catalog.path.parent, runtime, boot_images), self.egress)
+                                   BootImages(home, runtime, boot_images), self.egress)
         self.places = Places(admission.host_limit(runtime.slots.max_slots - 1), admission.max_sandboxes_per_key,
                              self._on_host, self._running_of, self._key_limit)
         self.gateway = GatewayRuns(gateway, gateway_url)
@@ -109,7 +117,7 @@ class SandboxManager:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
         # Built templates (template/build_service.py) resolve here like snapshots: ref -> a snapshot-shaped dict.
-        self.template_resolver: Callable[[str], dict[str, Any] | None] | None = None
+        self.template_resolver: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -188,8 +196,13 @@ class SandboxManager:
         return sum(1 for r in self.records.values() if r.api_key_id == key_id and r.state in ACTIVE)
 
     def _key_limit(self, key_id: str) -> tuple[str, int | None]:
-        key = self.catalog.get_key(key_id)
-        return (key.name, key.max_sandboxes) if key is not None else (key_id, None)
+        return self._key_limits.get(key_id, (key_id, None))
+
+    async def _read_key_limit(self, key_id: str | None) -> None:
+        """Read the key's own limit before admission asks for it (`keepstate keys limit` holds from the next call)."""
+        if key_id:
+            key = await self.keys.get(key_id)
+            self._key_limits[key_id] = (key.name, key.max_sandboxes) if key is not None else (key_id, None)
 
     def admission(self) -> dict[str, Any]:
         """The figures /health reports."""
@@ -234,9 +247,9 @@ class SandboxManager:
             require(command, row.state, sandbox_id)
             yield row
 
-    def _set(self, row: SandboxRow, state: State) -> None:
+    async def _set(self, row: SandboxRow, state: State) -> None:
         row.state = state
-        self.catalog.put_sandbox(row)
+        await self.rows.put(row)
 
     # -- create -------------------------------------------------------------------------------------------------
     def volume_users(self, volume_id: str) -> list[str]:
@@ -244,22 +257,23 @@ class SandboxManager:
         return [r.sandbox_id for r in self.records.values()
                 if listed(r.state) and any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
 
-    def check_secrets(self, policy: Policy) -> None:
+    async def check_secrets(self, policy: Policy) -> None:
         """A policy may name only secrets that exist (a 400 otherwise: nothing is created or changed)."""
         store = self.secrets
-        missing = sorted(n for n in policy.secret_names() if store is None or not store.exists(n))
+        missing = sorted([n for n in policy.secret_names() if store is None or not await store.exists(n)])
         if missing:
             raise BadRequest(f"`network.rules` names secret(s) that do not exist: {', '.join(missing)} "
                              f"(create them with POST /secrets first)")
 
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         if req.network:
-            self.check_secrets(Policy.from_json(req.network))
-        if not req.volume_mounts or self.find_snapshot(req.template_id) is not None:
+            await self.check_secrets(Policy.from_json(req.network))
+        await self._read_key_limit(api_key_id)
+        if not req.volume_mounts or await self.find_snapshot(req.template_id) is not None:
             return await self.creates.create(req, api_key_id, [])
         if self.volumes is None:
             raise Unsupported("this server has no volume store")
-        with self.volumes.pinned(name for name, _ in req.volume_mounts) as found:
+        async with self.volumes.pinned(name for name, _ in req.volume_mounts) as found:
             mounts = [{"name": name, "path": path, "volume_id": found[name].volume_id}
                       for name, path in req.volume_mounts]
             return await self.creates.create(req, api_key_id, mounts)
@@ -269,25 +283,31 @@ class SandboxManager:
         """`PUT /sandboxes/{id}/network`: the egress policy replaced whole, applied at once."""
         async with self._command(sandbox_id, Command.NETWORK_UPDATE) as row:
             policy = row.settings.policy.updated(body)  # BadRequest: nothing changed
-            self.check_secrets(policy)
+            await self.check_secrets(policy)
             await asyncio.to_thread(self.egress.update, row.slot, row.sandbox_id, policy)
             row.settings.network = policy.to_json()
             if isinstance(body, dict) and ("allow_internet_access" in body or "allowInternetAccess" in body):
                 row.settings.allow_internet_access = policy.allow_internet_access
-            self.catalog.put_sandbox(row)
-            self.recorder.record(row.session_id, "sandbox.network.update", {"network": policy.to_wire()})
+            await self.rows.put(row)
+            await self.recorder.record(row.session_id, "sandbox.network.update", {"network": policy.to_wire()})
 
     def _egress_host(self, sandbox_id: str, data: dict[str, Any]) -> None:
-        """The first connection of a sandbox to a host: a history event."""
+        """The first connection of a sandbox to a host: a history event (written once the caller has gone on)."""
         row = self.records.get(sandbox_id)
         if row is not None:
-            self.recorder.record(row.session_id, "egress.host", data)
+            self.instances.in_background(self._egress_host_event(row.session_id, data))
+
+    async def _egress_host_event(self, session_id: str, data: dict[str, Any]) -> None:
+        try:
+            await self.recorder.record(session_id, "egress.host", data)
+        except Exception as exc:  # the history is best effort here: never break egress over it
+            log.warning("egress.host event for %s: %s", session_id, exc)
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
         async with self._command(sandbox_id, Command.SET_TIMEOUT) as row:
             row.end_at = time.time() + max(0, seconds)
-            self.catalog.put_sandbox(row)
-            self.recorder.record(row.session_id, "sandbox.timeout.set", {"timeout": seconds})
+            await self.rows.put(row)
+            await self.recorder.record(row.session_id, "sandbox.timeout.set", {"timeout": seconds})
             if seconds <= 0:
                 await self._expire(row)
 
@@ -308,18 +328,18 @@ class SandboxManager:
             except Exception as exc:  # never lose it silently: a failed pause leaves it running
                 log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
                 row.end_at = time.time() + 60
-                self.catalog.put_sandbox(row)
+                await self.rows.put(row)
                 return
         log.info("sandbox %s reached its timeout", row.sandbox_id)
-        self._kill_running(row, "timeout")
+        await self._kill_running(row, "timeout")
 
     async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
         """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes."""
         await self._known(sandbox_id)
         async with self._command(sandbox_id, Command.CONNECT) as row:
             if row.state == State.RUNNING:
-                self._keep_alive(row, timeout)
-                self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
+                await self._keep_alive(row, timeout)
+                await self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
                 return row, False
             await self._resume(row, timeout)
             return row, True
@@ -332,18 +352,18 @@ class SandboxManager:
             await self._resume(row, timeout)
             if auto_pause is not None:
                 row.settings.auto_pause = auto_pause
-                self.catalog.put_sandbox(row)
+                await self.rows.put(row)
             return row
 
     async def refresh(self, sandbox_id: str, seconds: int) -> None:
         """Keep a running sandbox alive `seconds` from now; its end time is extended, never shortened."""
         async with self._command(sandbox_id, Command.REFRESH) as row:
-            self._keep_alive(row, seconds)
-            self.recorder.record(row.session_id, "sandbox.refresh", {"duration": seconds})
+            await self._keep_alive(row, seconds)
+            await self.recorder.record(row.session_id, "sandbox.refresh", {"duration": seconds})
 
-    def _keep_alive(self, row: SandboxRow, seconds: int) -> None:
+    async def _keep_alive(self, row: SandboxRow, seconds: int) -> None:
         row.end_at = max(row.end_at, time.time() + seconds)
-        self.catalog.put_sandbox(row)
+        await self.rows.put(row)
 
     async def _known(self, sandbox_id: str) -> None:
         """Load a sandbox unknown here whose pause checkpoint is in the (shared) store; NotFound if there is none."""
@@ -353,13 +373,16 @@ class SandboxManager:
                     row = await asyncio.to_thread(self._row_from_store, sandbox_id)
                     if row is None:
                         raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+                    await self.rows.put(row)
+                    await self._record_session(row)
                     self.records[sandbox_id] = row
 
     async def _resume(self, row: SandboxRow, timeout: int) -> None:
         # It runs again: a place of its key's, and a new instance unless its standby thaws. RESUMING holds them
         # from this same step on.
+        await self._read_key_limit(row.api_key_id)
         self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
-        self._set(row, State.RESUMING)
+        await self._set(row, State.RESUMING)
         source = "store"
         try:
             standby = row.settings.standby
@@ -372,13 +395,13 @@ class SandboxManager:
                 await self.checkpoints.restore(row, timeout, pooled=self.creates.pooled)
         except BaseException:
             row.runtime_name, row.slot, row.address = "", -1, ""
-            self._set(row, State.PAUSED)
+            await self._set(row, State.PAUSED)
             raise
         row.settings.files_only = False
-        self._set(row, State.RUNNING)
+        await self._set(row, State.RUNNING)
         assert row.settings.checkpoint_id is not None
-        self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
-                              agent_url=agent_url(row.address), token=row.access_token, source=source)
+        await self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
+                                    agent_url=agent_url(row.address), token=row.access_token, source=source)
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> str:
         async with self._command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM) as row:
@@ -390,12 +413,12 @@ class SandboxManager:
         if not memory and not row.settings.disk_mb:
             raise Unsupported(f"sandbox {row.sandbox_id} keeps its files in memory (it was started by a release "
                               "before the disk): it can only pause with memory")
-        self._set(row, State.PAUSING)
+        await self._set(row, State.PAUSING)
         self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
         try:
             manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
         except BaseException:
-            self._set(row, State.RUNNING)
+            await self._set(row, State.RUNNING)
             raise
         instance = row.instance()
         await asyncio.to_thread(self.egress.detach, row.slot, row.sandbox_id)  # a paused sandbox sends nothing
@@ -413,8 +436,8 @@ class SandboxManager:
             row.settings.retired = instance
         retired = row.with_instance(instance)
         row.runtime_name, row.address, row.slot = "", "", -1
-        self._set(row, State.PAUSED)
-        self.recorder.paused(row.session_id, manifest.checkpoint_id, memory)
+        await self._set(row, State.PAUSED)
+        await self.recorder.paused(row.session_id, manifest.checkpoint_id, memory)
         if row.settings.retired is not None:
             self.instances.in_background(self._retire(row.sandbox_id, retired))
         return manifest.checkpoint_id
@@ -427,7 +450,7 @@ class SandboxManager:
             if row is not None and row.settings.retired is not None \
                     and row.settings.retired.name == instance_row.runtime_name:
                 row.settings.retired = None
-                self.catalog.put_sandbox(row)
+                await self.rows.put(row)
 
     async def _release_standby(self, sandbox_id: str, why: str) -> None:
         """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
@@ -439,7 +462,7 @@ class SandboxManager:
             log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
             standby, row.settings.standby = row.settings.standby, None
             row.settings.retired = standby  # until it is gone: a server killed meanwhile reaps it on start
-            self.catalog.put_sandbox(row)
+            await self.rows.put(row)
         await self._retire(sandbox_id, row.with_instance(standby))
 
     async def trim_standbys(self) -> None:
@@ -453,16 +476,16 @@ class SandboxManager:
             manifest = await self._checkpoint_running(row, "snapshot")
         snapshot_id = f"snapshot-{manifest.checkpoint_id.lower()}"
         names = [name.strip()] if name else [snapshot_id]
-        self.catalog.put_snapshot(snapshot_id, names, manifest.checkpoint_id, sandbox_id, row.template_id)
+        await self.rows.put_snapshot(snapshot_id, names, manifest.checkpoint_id, sandbox_id, row.template_id)
         return {"snapshotID": snapshot_id, "names": names}
 
     async def _checkpoint_running(self, row: SandboxRow, kind: str) -> Manifest:
-        self._set(row, State.CHECKPOINTING)
+        await self._set(row, State.CHECKPOINTING)
         try:
             manifest = await self.checkpoints.take(row, kind)
             row.settings.checkpoint_id = manifest.checkpoint_id
         finally:
-            self._set(row, State.RUNNING)
+            await self._set(row, State.RUNNING)
         return manifest
 
     async def checkpoint(self, sandbox_id: str) -> str:
@@ -482,23 +505,21 @@ class SandboxManager:
             row.settings.user, row.settings.workdir = user, workdir
             row.settings.metadata.update(metadata or {})
             row.settings.template_env = {**row.settings.template_env, **env}
-            self.catalog.put_sandbox(row)
-            await self.instances.init_agent(row, self.gateway.env(row), previous_token=row.access_token)
+            await self.rows.put(row)
+            await self.instances.init_agent(row, await self.gateway.env(row), previous_token=row.access_token)
 
-    def find_snapshot(self, ref: str) -> dict[str, Any] | None:
-        snap = self.catalog.get_snapshot(ref)
+    async def find_snapshot(self, ref: str) -> dict[str, Any] | None:
+        snap = await self.rows.find_snapshot(ref)
         if snap is not None:
             return snap
-        for s in self.catalog.snapshots():
-            if ref in s["names"] or ref.split(":")[0] in s["names"]:
-                return s
-        return self.template_resolver(ref) if self.template_resolver is not None else None
+        return await self.template_resolver(ref) if self.template_resolver is not None else None
 
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
         with contextlib.ExitStack() as places:
             async with self._command(sandbox_id, Command.FORK) as row:
+                await self._read_key_limit(row.api_key_id)
                 # All the children's places or none, before the parent is checkpointed.
                 places.enter_context(self.places.reserve(row.api_key_id, host=count, key=count))
                 manifest = await self._checkpoint_running(row, "fork")
@@ -511,8 +532,8 @@ class SandboxManager:
         for r in results:
             if r.row is not None:
                 self.records[r.row.sandbox_id] = r.row
-                self.recorder.forked(parent.session_id, r.row.sandbox_id, manifest.checkpoint_id,
-                                     agent_url=agent_url(r.row.address), token=r.row.access_token)
+                await self.recorder.forked(parent.session_id, r.row.sandbox_id, manifest.checkpoint_id,
+                                           agent_url=agent_url(r.row.address), token=r.row.access_token)
         return results
 
     async def kill(self, sandbox_id: str, reason: str = "kill") -> None:
@@ -520,7 +541,7 @@ class SandboxManager:
             if row.state == State.PAUSED:
                 await self._kill_paused(row)
             else:
-                self._kill_running(row, reason)
+                await self._kill_running(row, reason)
 
     async def died(self, sandbox_id: str, runtime_name: str) -> None:
         """The metrics loop found the instance gone (OOM kill, crash): record it dead, if it still is that one."""
@@ -531,32 +552,33 @@ class SandboxManager:
                 if await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
                     return
                 log.warning("sandbox %s died (its instance is gone: out of memory or a crash)", sandbox_id)
-                self._kill_running(row, "died")
+                await self._kill_running(row, "died")
 
-    def _kill_running(self, row: SandboxRow, reason: str) -> None:
-        """Unreachable at once; the teardown (a second or two) runs in the background."""
+    async def _kill_running(self, row: SandboxRow, reason: str) -> None:
+        """Unreachable at once; the teardown (a second or two) runs in the background, recorded before the answer."""
         self.records.pop(row.sandbox_id, None)
         self.idle.forget(row.sandbox_id)  # left frozen: its teardown kills, then thaws
         self.agents.forget(row.sandbox_id)
-        self._set(row, State.KILLED)
+        row.state = State.KILLED
         self.agents.abort(row.sandbox_id)
-        self.recorder.killed(row.session_id, reason)
-        self.gateway.end(row)
+        # The row goes and its teardown is recorded in one transaction; the retry loop tears it down (due at once).
+        await self.instances.reap_later(row.copy())
+        await self.recorder.killed(row.session_id, reason)
+        await self.gateway.end(row)
         self.metrics.pop(row.sandbox_id, None)
         self.egress.forget(row.sandbox_id)
-        self.instances.in_background(self.instances.reap(row.copy()))
 
     async def _kill_paused(self, row: SandboxRow) -> None:
         self.records.pop(row.sandbox_id, None)
         self.standbys.discard(row.sandbox_id)
-        if row.settings.standby is not None:  # a retired instance has its teardown under way already
-            self.instances.in_background(self.instances.reap(row.with_instance(row.settings.standby),
-                                                             keep_row=True))
-        self.catalog.delete_sandbox(row.sandbox_id)
+        if row.settings.standby is not None:  # the row goes with its standby's teardown recorded, together
+            await self.instances.reap_later(row.with_instance(row.settings.standby))
+        else:  # a retired instance has its teardown under way already
+            await self.rows.delete(row.sandbox_id)
         row.state = State.KILLED
         self.egress.forget(row.sandbox_id)
-        self.gateway.end(row)
-        self.recorder.killed(row.session_id, "kill")
+        await self.gateway.end(row)
+        await self.recorder.killed(row.session_id, "kill")
 
     # -- shared store ---------------------------------------------------------------------------------------------
     def _row_from_store(self, sandbox_id: str) -> SandboxRow | None:
@@ -573,10 +595,12 @@ class SandboxManager:
                          access_token=info["access_token"], started_at=float(info["started_at"]),
                          end_at=time.time(), cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]),
                          api_key_id=info.get("api_key_id"), settings=settings)
-        self.catalog.put_sandbox(row)
-        if self.recorder.lineage.session(row.session_id) is None:
-            self.recorder.lineage.record_session(row.session_id, row.template_id)
         return row
+
+    async def _record_session(self, row: SandboxRow) -> None:
+        """The session of a sandbox loaded from the store, if this server's history has not got it yet."""
+        if await self.recorder.lineage.session(row.session_id) is None:
+            await self.recorder.lineage.record_session(row.session_id, row.template_id)
 
     async def _journal_fetch(self, session_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
         try:

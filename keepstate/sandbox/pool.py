@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from keepstate.db.catalog import SandboxRow
+from .record import SandboxRow
 
 log = logging.getLogger("keepstate.pool")
 FULL_RETRY = 1.0  # seconds between looks for room on a host that holds its limit

@@ -15,10 +15,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from keepstate.db.catalog import Catalog
 from keepstate.runtime.base import Handle, Runtime
 
 from .record import TeardownRecord
+from .rows import SandboxRows
 from .slots import Slots
 
 log = logging.getLogger("keepstate.sandbox")
@@ -34,8 +34,8 @@ def backoff(attempts: int) -> float:
 
 
 class Teardowns:
-    def __init__(self, catalog: Catalog, runtime: Runtime, slots: Slots, threads: int = THREADS) -> None:
-        self.catalog = catalog
+    def __init__(self, rows: SandboxRows, runtime: Runtime, slots: Slots, threads: int = THREADS) -> None:
+        self.rows = rows
         self.runtime = runtime
         self.slots = slots
         self._threads = threads
@@ -53,10 +53,10 @@ class Teardowns:
         return set(self._pending)
 
     # -- start and stop -----------------------------------------------------------------------------------------
-    def resume(self) -> None:
+    async def resume(self) -> None:
         """Take over the teardowns a previous server recorded (their slots stay held until each is finished) and
         start retrying: every one is tried at once."""
-        for rec in self.catalog.teardowns():
+        for rec in await self.rows.teardowns():
             if rec.runtime_name not in self._pending:
                 self._pending[rec.runtime_name] = replace(rec, next_try=0.0)
                 self.slots.adopt(rec.slot)
@@ -77,22 +77,24 @@ class Teardowns:
             self._pool = None
 
     # -- teardowns ----------------------------------------------------------------------------------------------
-    def record(self, name: str, slot: int) -> None:
-        """Remember a teardown to do (before the sandbox's row goes: a crash in between must leave one of them)."""
-        self.catalog.put_teardown(name, slot)
+    async def record(self, name: str, slot: int, *, recorded: bool = False) -> None:
+        """Remember a teardown to do (before the sandbox's row goes: a crash in between must leave one of them;
+        `recorded`: the caller wrote it already, in the transaction that deleted the row)."""
+        if not recorded:
+            await self.rows.add_teardown(name, slot)
         if name not in self._pending:
             self._pending[name] = TeardownRecord(name, slot)
 
-    def later(self, name: str, slot: int) -> None:
+    async def later(self, name: str, slot: int, *, recorded: bool = False) -> None:
         """Record the teardown and leave it to the retry loop (due at once): for callers that cannot wait."""
-        self.record(name, slot)
+        await self.record(name, slot, recorded=recorded)
         self._ensure_loop()
         assert self._wake is not None
         self._wake.set()
 
     async def run(self, name: str, slot: int) -> bool:
         """Record the teardown and make an attempt; True once nothing is left. A failed one is retried later."""
-        self.record(name, slot)
+        await self.record(name, slot)
         return await self.attempt(name)
 
     async def attempt(self, name: str) -> bool:
@@ -122,14 +124,14 @@ class Teardowns:
             if not left:
                 if rec.slot >= 0:
                     self.slots.release(rec.slot)  # only now: its network is gone
-                self.catalog.delete_teardown(name)
+                await self.rows.delete_teardown(name)
                 self._pending.pop(name, None)
                 return True
             error = "left " + ", ".join(left)
         attempts = rec.attempts + 1
         wait = backoff(attempts)
         self._pending[name] = replace(rec, attempts=attempts, next_try=time.time() + wait, last_error=error)
-        self.catalog.teardown_failed(name, attempts, time.time() + wait, error)
+        await self.rows.teardown_failed(name, time.time() + wait, error)
         log.warning("teardown of %s failed (attempt %d; next in %.0f s): %s", name, attempts, wait, error)
         if self._wake is not None:
             self._wake.set()

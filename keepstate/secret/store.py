@@ -1,8 +1,8 @@
-"""The secrets: E2B's `/secrets` records, their values sealed in the catalog (crypto.py), write-only.
+"""The secrets: E2B's `/secrets` records, their values sealed in the database (crypto.py), write-only.
 
 A value goes in through `create`/`update` and comes out only through `value(name)`, which the egress proxy calls
 on the host for each request it rewrites (docs/design/network.md, "Secrets"). Nothing else here returns, logs or
-puts a value into an error message: every read surface returns a SecretRow, which has no value field.
+puts a value into an error message: every read surface returns a SecretRecord, which has no value field.
 
 Names are lower-cased before storage (E2B's rule: the SDK documents it), so lookups ignore case; the `sec_` prefix
 is reserved for IDs, so an argument that is "an ID or a name" is never ambiguous.
@@ -10,22 +10,24 @@ is reserved for IDs, so an argument that is "an ID or a name" is never ambiguous
 
 from __future__ import annotations
 
+import builtins
 import re
 import secrets
 import time
 from pathlib import Path
 
-from keepstate.db.catalog import Catalog, SecretRow
+from keepstate.db.engine import Database
+from keepstate.db.records import SecretRecord
+from keepstate.db.repos import Secrets
 from keepstate.errors import BadRequest, NotFound
 
-from .crypto import KEY_FILE, Sealer, SecretKeyError, load_key
+from .crypto import Sealer, SecretKeyError, load_key
 
 ID_PREFIX = "sec_"
 MAX_NAME = 128
 MAX_VALUE_BYTES = 64 << 10
 MAX_META_KEYS, MAX_META_KEY_BYTES, MAX_META_VALUE_BYTES, MAX_META_BYTES = 32, 128, 1024, 8192
 MAX_PAGE, DEFAULT_PAGE = 100, 100
-KEY_META = "secrets_key_fingerprint"
 # What the SDK refuses ({, } and control characters: the name goes into `${e2b.secrets.NAME}`), whitespace, and
 # what cannot travel as one path segment of `/secrets/{name}` as the SDK sends it (/ ? # % \).
 _BAD_NAME = re.compile(r"[{}\x00-\x1f\x7f-\x9f/?#%\\]|\s")
@@ -101,88 +103,91 @@ def _decode_token(token: str | None) -> int:
 
 
 class SecretStore:
-    """create / update (a new version) / get / list / delete, and the proxy's `exists` and `value`."""
+    """create / update (a new version) / get / list / delete, and the proxy's `exists` and `value`. Call
+    `check_key` once before anything else (the server does, at start)."""
 
-    def __init__(self, catalog: Catalog, sealer: Sealer) -> None:
-        self.catalog = catalog
+    def __init__(self, db: Database, sealer: Sealer) -> None:
+        self.repo = Secrets(db)
+        self.where = db.url.shown
         self._sealer = sealer
-        self._check_key()
 
     @classmethod
-    def open(cls, catalog: Catalog, key_file: Path | None = None) -> SecretStore:
-        """The store with the operator's key (crypto.load_key; default `<home>/secrets.key`, home being the
-        catalog's directory)."""
-        return cls(catalog, Sealer(load_key(key_file or catalog.path.parent / KEY_FILE)))
+    def open(cls, db: Database, key_file: Path) -> SecretStore:
+        """The store with the operator's key (crypto.load_key; the server's default is `<home>/secrets.key`)."""
+        return cls(db, Sealer(load_key(key_file)))
 
-    def _check_key(self) -> None:
+    async def check_key(self) -> None:
         """Refuse, at once and clearly, a key other than the one the stored secrets were sealed with."""
-        known = self.catalog.get_meta(KEY_META)
+        known = await self.repo.key_fingerprint()
         if known == self._sealer.fingerprint:
             return
-        stored = self.catalog.count_secrets()
+        stored = await self.repo.count()
         if known is not None and stored:
-            raise SecretKeyError(f"the secrets key is not the one the {stored} secret(s) in {self.catalog.path} "
+            raise SecretKeyError(f"the secrets key is not the one the {stored} secret(s) in {self.where} "
                                  "were sealed with: start the server with the same --secrets-key-file (or "
                                  "KEEPSTATE_SECRETS_KEY) as before")
-        self.catalog.set_meta(KEY_META, self._sealer.fingerprint)
+        await self.repo.set_key_fingerprint(self._sealer.fingerprint)
 
     # -- the API's operations -------------------------------------------------------------------------------------
-    def create(self, name: object, value: object, metadata: object = None) -> SecretRow:
+    async def create(self, name: object, value: object, metadata: object = None) -> SecretRecord:
         low, text, meta = check_name(name), check_value(value), check_metadata(metadata)
         now = time.time()
         secret_id = ID_PREFIX + secrets.token_hex(10)
-        row = SecretRow(secret_id, low, 1, meta or {}, now, now, 0)
-        return self.catalog.put_secret(row, self._sealer.seal(secret_id, 1, text))
+        row = SecretRecord(secret_id=secret_id, name=low, current_version=1, metadata=meta or {}, created_at=now,
+                           updated_at=now)
+        return await self.repo.put(row, self._sealer.seal(secret_id, 1, text))
 
-    def update(self, ref: str, value: object, metadata: object = None) -> SecretRow:
+    async def update(self, ref: str, value: object, metadata: object = None) -> SecretRecord:
         """Store `value` as the secret's next version; metadata, when given, replaces the stored one."""
         text, meta = check_value(value), check_metadata(metadata)
-        found = self.get(ref)
-        row = self.catalog.add_secret_version(found.secret_id,
+        found = await self.get(ref)
+        version = await self.repo.add_version(found.secret_id,
                                               lambda version: self._sealer.seal(found.secret_id, version, text),
                                               meta, time.time())
+        row = await self.repo.get(found.secret_id) if version is not None else None
         if row is None:
             raise NotFound(f"secret {ref} not found")
         return row
 
-    def find(self, ref: str) -> SecretRow | None:
+    async def find(self, ref: str) -> SecretRecord | None:
         """A secret by ID (`sec_...`) or by name, any case."""
         low = ref.lower()
         if low.startswith(ID_PREFIX):
-            return self.catalog.get_secret(low)
-        return self.catalog.secret_by_name(low)
+            return await self.repo.get(low)
+        return await self.repo.by_name(low)
 
-    def get(self, ref: str) -> SecretRow:
-        found = self.find(ref)
+    async def get(self, ref: str) -> SecretRecord:
+        found = await self.find(ref)
         if found is None:
             raise NotFound(f"secret {ref[:200]} not found")
         return found
 
-    def list(self, limit: int = DEFAULT_PAGE, next_token: str | None = None) -> tuple[list[SecretRow], str | None]:
+    async def list(self, limit: int = DEFAULT_PAGE,
+                   next_token: str | None = None) -> tuple[builtins.list[SecretRecord], str | None]:
         """One page, oldest first, and the token of the next (None: this is the last)."""
         if not 1 <= limit <= MAX_PAGE:
             raise BadRequest(f"`limit` must be from 1 to {MAX_PAGE}")
-        rows = self.catalog.secrets_after(_decode_token(next_token), limit + 1)
+        rows = await self.repo.page(_decode_token(next_token), limit + 1)
         if len(rows) > limit:
             return rows[:limit], str(rows[limit - 1].seq)
         return rows, None
 
-    def delete(self, ref: str) -> bool:
-        found = self.find(ref)
-        return found is not None and self.catalog.delete_secret(found.secret_id)
+    async def delete(self, ref: str) -> bool:
+        found = await self.find(ref)
+        return found is not None and await self.repo.delete(found.secret_id)
 
     # -- the egress service's questions -----------------------------------------------------------------------
-    def exists(self, name: str) -> bool:
+    async def exists(self, name: str) -> bool:
         """Whether a secret of this name exists (a policy naming one that does not is a 400)."""
-        return self.catalog.secret_by_name(name.lower()) is not None
+        return await self.repo.by_name(name.lower()) is not None
 
-    def value(self, name: str) -> str | None:
+    async def value(self, name: str) -> str | None:
         """The current version's value, decrypted; None when there is no such secret. The one way a value leaves
         the store: for the egress proxy, on the host, per request. SecretKeyError if it does not decrypt."""
-        row = self.catalog.secret_by_name(name.lower())
+        row = await self.repo.by_name(name.lower())
         if row is None:
             return None
-        sealed = self.catalog.secret_sealed(row.secret_id, row.current_version)
+        sealed = await self.repo.sealed(row.secret_id, row.current_version)
         if sealed is None:  # deleted between the two reads
             return None
         return self._sealer.open(row.secret_id, row.current_version, sealed)

@@ -102,10 +102,10 @@ async def pull_journal(log_: EventLog, session_id: str, agent_url: str, token: s
         if not entries and last is not None and last < cursor:
             # the agent's journal ends before our cursor: it is not the journal we were reading (the agent
             # restarted, or the sandbox was replaced); say so, then read the new one from its start
-            written = await asyncio.to_thread(log_.append_journal, session_id, cursor,
-                                              [("journal.reset", {"cursor": cursor, "last": last})], 0)
+            written = await log_.append_journal(session_id, cursor,
+                                                [("journal.reset", {"cursor": cursor, "last": last})], 0)
             if written is None:
-                return log_.journal_cursor(session_id) or 0
+                return await log_.journal_cursor(session_id) or 0
             cursor = 0
             continue
         items: list[tuple[str, dict[str, Any]]] = []
@@ -114,9 +114,9 @@ async def pull_journal(log_: EventLog, session_id: str, agent_url: str, token: s
         items.extend((kind, data) for _, kind, data in entries)
         if not entries:
             return cursor  # a gap is recorded with the first entries that follow it
-        written = await asyncio.to_thread(log_.append_journal, session_id, cursor, items, entries[-1][0])
+        written = await log_.append_journal(session_id, cursor, items, entries[-1][0])
         if written is None:
-            return log_.journal_cursor(session_id) or 0
+            return await log_.journal_cursor(session_id) or 0
         cursor = entries[-1][0]
         if len(entries) < page:
             return cursor
@@ -138,7 +138,7 @@ class JournalPoller:
 
         poller = JournalPoller(event_log)
         await poller.start()
-        poller.track(sandbox_id, f"http://{ip}:{AGENT_PORT}", access_token)
+        await poller.track(sandbox_id, f"http://{ip}:{AGENT_PORT}", access_token)
         await poller.pull_now(sandbox_id)      # before a checkpoint
         async with poller.hold(sandbox_id):    # while the sandbox is frozen: no pull starts
             ...
@@ -159,13 +159,13 @@ class JournalPoller:
         self._sessions: dict[str, _Tracked] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def track(self, session_id: str, agent_url: str, token: str, cursor: int | None = None) -> None:
+    async def track(self, session_id: str, agent_url: str, token: str, cursor: int | None = None) -> None:
         """Start pulling a session. `cursor` (on resume or fork: the checkpoint's journal_cursor) resets where
         pulling continues; without it, it continues from the stored cursor."""
         if cursor is not None:
-            self.log.set_journal_cursor(session_id, cursor)
+            await self.log.set_journal_cursor(session_id, cursor)
         else:
-            cursor = self.log.journal_cursor(session_id) or 0
+            cursor = await self.log.journal_cursor(session_id) or 0
         self._sessions[session_id] = _Tracked(agent_url, token, cursor, asyncio.Lock())
 
     def untrack(self, session_id: str) -> None:
@@ -175,8 +175,10 @@ class JournalPoller:
         return sorted(self._sessions)
 
     def cursor(self, session_id: str) -> int | None:
+        """Where pulling a tracked session stands (None: not tracked; its stored cursor is the log's
+        `journal_cursor`)."""
         t = self._sessions.get(session_id)
-        return t.cursor if t else self.log.journal_cursor(session_id)
+        return t.cursor if t else None
 
     async def pull_now(self, session_id: str) -> int:
         """Pull the session's journal now and return the cursor; raises JournalError if the agent fails."""

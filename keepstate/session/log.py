@@ -1,18 +1,26 @@
-"""The event log: append, read, verify, fork, export and import sessions' hash-chained histories."""
+"""The event log: append, read, verify, fork, export and import sessions' hash-chained histories.
+
+The rows live in the database (keepstate.db.repos.History); the chain (each event's hash and its link to the one
+before) is made here, by pure functions the repository calls inside its write transaction with the session's head.
+"""
 
 from __future__ import annotations
 
-import sqlite3
+import json
+import time
 from collections import OrderedDict
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from keepstate.db.engine import Database
+from keepstate.db.errors import Stale
+from keepstate.db.records import EventRecord, HeadRecord
+from keepstate.db.repos.history import History
 from keepstate.errors import BadRequest, Conflict, NotFound
 from keepstate.store.manifest import EventRef
 
-from .chain import VerifyResult, verify_chain, verify_events
-from .db import SessionDB
-from .event import Event, canonical
+from .chain import StoredEvent, VerifyResult, verify_chain, verify_events
+from .event import GENESIS, Event, canonical
 
 MAX_DATA_BYTES = 1 << 20
 
@@ -30,81 +38,99 @@ def _check(kind: str, data: dict[str, Any]) -> None:
         raise BadRequest(f"event data of kind {kind!r} is {size} bytes; the limit is {MAX_DATA_BYTES}")
 
 
-class EventLog:
-    """Sessions' causal histories in `sessions.sqlite` (see docs/design/causal-history.md).
+def to_record(ev: Event) -> EventRecord:
+    return EventRecord(session_id=ev.session_id, seq=ev.seq, ts=ev.ts, kind=ev.kind, data=canonical(ev.data).decode(),
+                       prev=ev.prev, hash=ev.hash)
 
-    Thread-safe; several processes may open the same file.
+
+def from_record(rec: EventRecord) -> Event:
+    return Event(rec.session_id, rec.seq, rec.ts, rec.kind, json.loads(rec.data), rec.prev, rec.hash)
+
+
+def _stored(rec: EventRecord) -> StoredEvent:
+    return StoredEvent(rec.session_id, rec.seq, rec.ts, rec.kind, rec.data, rec.prev, rec.hash)
+
+
+def link(session_id: str, kind: str, data: dict[str, Any], ts: float) -> Callable[[HeadRecord | None], EventRecord]:
+    """The repository's Link: the event after the session's head (GENESIS before its first). Pure."""
+
+    def make(head: HeadRecord | None) -> EventRecord:
+        seq, prev = (head.seq, head.hash) if head is not None else (0, GENESIS)
+        return to_record(Event.make(session_id, seq + 1, ts, kind, data, prev))
+
+    return make
+
+
+class EventLog:
+    """Sessions' causal histories (see docs/design/causal-history.md), in the server's one database.
+
+    Every method that touches the database is async; any number of servers and processes may share it.
     """
 
-    def __init__(self, path: Path | SessionDB) -> None:
-        self.db = path if isinstance(path, SessionDB) else SessionDB(path)
-
-    def close(self) -> None:
-        self.db.close()
+    def __init__(self, db: Database | History) -> None:
+        self.history = db if isinstance(db, History) else History(db)
 
     # --- writing --------------------------------------------------------------------------------------------------
 
-    def append(self, session_id: str, kind: str, data: dict[str, Any] | None = None) -> Event:
+    async def append(self, session_id: str, kind: str, data: dict[str, Any] | None = None) -> Event:
         data = {} if data is None else data
         _check(kind, data)
-        return self.db.append_events([(session_id, kind, data)])[0]
+        (rec,) = await self.history.extend(session_id, [link(session_id, kind, data, time.time())])
+        return from_record(rec)
 
-    def start_fork(self, child_session: str, parent_session: str, parent_checkpoint_id: str,
-                   parent_event: EventRef) -> Event:
+    async def start_fork(self, child_session: str, parent_session: str, parent_checkpoint_id: str,
+                         parent_event: EventRef) -> Event:
         """Begin a fork child's history with a link to the parent's checkpoint event.
 
         In one transaction: `fork.child` in the parent and `session.fork` (seq 1) in the child; the child's journal
         cursor starts at the checkpoint's. Returns the child's first event.
         """
-        parent = self.db.event_at(parent_session, parent_event.seq)
+        parent = await self.event_at(parent_session, parent_event.seq)
         if parent is None:
             raise NotFound(f"session {parent_session} has no event {parent_event.seq} to fork from")
         if parent.hash != parent_event.hash:
             raise Conflict(f"session {parent_session} event {parent_event.seq} has hash {parent.hash[:12]}…, "
                            f"not {parent_event.hash[:12]}…: the fork names a different history")
         cursor = parent.data.get("journal_cursor") if parent.kind == "checkpoint" else None
-
-        def child_is_new(db: sqlite3.Connection) -> bool:
-            return db.execute("SELECT 1 FROM events WHERE session_id=?", (child_session,)).fetchone() is None
-
-        def set_cursor(db: sqlite3.Connection) -> None:
-            if isinstance(cursor, int):
-                SessionDB.write_cursor(db, child_session, cursor)
-
-        link = {"parent_session": parent_session, "parent_checkpoint_id": parent_checkpoint_id,
-                "parent_event": {"seq": parent_event.seq, "hash": parent_event.hash}}
-        events = self.db.append_events(
-            [(parent_session, "fork.child", {"child_session": child_session, "checkpoint_id": parent_checkpoint_id}),
-             (child_session, "session.fork", link)], precondition=child_is_new, after=set_cursor)
-        if not events:
-            raise Conflict(f"session {child_session} already has a history; a fork child must be a new session")
-        return events[1]
+        now = time.time()
+        link_data = {"parent_session": parent_session, "parent_checkpoint_id": parent_checkpoint_id,
+                     "parent_event": {"seq": parent_event.seq, "hash": parent_event.hash}}
+        _, first = await self.history.start_fork(
+            parent_session, link(parent_session, "fork.child",
+                                 {"child_session": child_session, "checkpoint_id": parent_checkpoint_id}, now),
+            child_session, link(child_session, "session.fork", link_data, now),
+            child_cursor=cursor if isinstance(cursor, int) and not isinstance(cursor, bool) else None)
+        return from_record(first)
 
     # --- reading --------------------------------------------------------------------------------------------------
 
-    def read(self, session_id: str, after: int = 0, limit: int | None = None) -> list[Event]:
+    async def read(self, session_id: str, after: int = 0, limit: int | None = None) -> list[Event]:
         if after < 0 or (limit is not None and limit < 0):
             raise BadRequest("after and limit must not be negative")
-        return self.db.read_events(session_id, after, limit)
+        return [from_record(r) for r in await self.history.events(session_id, after, limit)]
 
-    def head(self, session_id: str) -> Event | None:
-        head = self.db.head(session_id)
-        return None if head is None else self.db.event_at(session_id, head[0])
+    async def head(self, session_id: str) -> Event | None:
+        rec = await self.history.last_event(session_id)
+        return None if rec is None else from_record(rec)
 
-    def exists(self, session_id: str) -> bool:
-        return self.db.has_events(session_id)
+    async def event_at(self, session_id: str, seq: int) -> Event | None:
+        rec = await self.history.event(session_id, seq)
+        return None if rec is None else from_record(rec)
 
-    def checkpoint_event(self, session_id: str, checkpoint_id: str) -> Event | None:
+    async def exists(self, session_id: str) -> bool:
+        return await self.history.has_events(session_id)
+
+    async def checkpoint_event(self, session_id: str, checkpoint_id: str) -> Event | None:
         """The `checkpoint` event recorded for `checkpoint_id` in the session, if any."""
-        for ev in self.read(session_id):
+        for ev in await self.read(session_id):
             if ev.kind == "checkpoint" and ev.data.get("checkpoint_id") == checkpoint_id:
                 return ev
         return None
 
-    def causal_history(self, session_id: str) -> list[Event]:
+    async def causal_history(self, session_id: str) -> list[Event]:
         """The session's events preceded, for a fork, by its ancestors' events up to the forked-from event."""
-        own = self.read(session_id)
-        if not own and not self.exists(session_id):
+        own = await self.read(session_id)
+        if not own and not await self.exists(session_id):
             raise NotFound(f"no events for session {session_id}")
         chains: list[list[Event]] = [own]
         seen = {session_id}
@@ -115,27 +141,29 @@ class EventLog:
             if parent in seen:
                 break  # a cycle can only come from a forged import; stop rather than loop
             seen.add(parent)
-            prefix = self.read(parent, limit=upto)
+            prefix = await self.read(parent, limit=upto)
             chains.append(prefix)
             first = prefix[0] if prefix else None
         return [ev for chain in reversed(chains) for ev in chain]
 
     # --- verification ---------------------------------------------------------------------------------------------
 
-    def verify(self, session_id: str) -> VerifyResult:
+    async def verify(self, session_id: str) -> VerifyResult:
         """Recompute every hash and link of the session's chain, its recorded head and, for a fork, its link."""
-        rows, head = self.db.read_stored(session_id)
-        if not rows and head is None:
+        records, head_row = await self.history.chain(session_id)
+        if not records and head_row is None:
             raise NotFound(f"no events for session {session_id}")
+        rows = [_stored(r) for r in records]
+        head = (head_row.seq, head_row.hash) if head_row is not None else None
         result = verify_chain(session_id, rows, head)
         if not result.ok or not rows or rows[0].kind != "session.fork":
             return result
-        first = self.db.read_events(session_id, 0, 1)[0]
+        first = from_record(records[0])
         ref = first.data.get("parent_event") or {}
         parent_session = str(first.data.get("parent_session"))
-        if not self.db.has_events(parent_session):
+        if not await self.exists(parent_session):
             return result  # parent history not on this server (an import): the link cannot be checked here
-        parent = self.db.event_at(parent_session, int(ref.get("seq", 0)))
+        parent = await self.event_at(parent_session, int(ref.get("seq", 0)))
         if parent is None or parent.hash != ref.get("hash"):
             return VerifyResult(False, result.checked, 1,
                                 f"event 1: fork link names event {ref.get('seq')} of session {parent_session}, "
@@ -144,45 +172,35 @@ class EventLog:
 
     # --- journal cursor -------------------------------------------------------------------------------------------
 
-    def journal_cursor(self, session_id: str) -> int | None:
-        return self.db.journal_cursor(session_id)
+    async def journal_cursor(self, session_id: str) -> int | None:
+        return await self.history.journal_cursor(session_id)
 
-    def set_journal_cursor(self, session_id: str, cursor: int) -> None:
+    async def set_journal_cursor(self, session_id: str, cursor: int) -> None:
         """Reset where journal pulling continues (on resume or fork from a checkpoint: its journal_cursor)."""
         if cursor < 0:
             raise BadRequest("journal cursor must not be negative")
-        self.db.set_journal_cursor(session_id, cursor)
+        await self.history.set_journal_cursor(session_id, cursor)
 
-    def append_journal(self, session_id: str, expected_cursor: int, items: list[tuple[str, dict[str, Any]]],
-                       new_cursor: int) -> list[Event] | None:
+    async def append_journal(self, session_id: str, expected_cursor: int, items: list[tuple[str, dict[str, Any]]],
+                             new_cursor: int) -> list[Event] | None:
         """Append pulled journal entries and move the cursor, only if the stored cursor is still `expected_cursor`.
 
         Returns None (and writes nothing) when another puller moved the cursor first.
         """
         for kind, data in items:
             _check(kind, data)
-
-        def unchanged(db: sqlite3.Connection) -> bool:
-            stored = SessionDB.stored_cursor(db, session_id)
-            return (stored or 0) == expected_cursor
-
-        moved = [False]
-
-        def move(db: sqlite3.Connection) -> None:
-            SessionDB.write_cursor(db, session_id, new_cursor)
-            moved[0] = True
-
-        events = self.db.append_events([(session_id, k, d) for k, d in items], precondition=unchanged,
-                                       after=move)
-        return events if moved[0] else None
+        now = time.time()
+        written = await self.history.append_journal(
+            session_id, expected_cursor, [link(session_id, k, d, now) for k, d in items], new_cursor)
+        return None if written is None else [from_record(r) for r in written]
 
     # --- export and import ----------------------------------------------------------------------------------------
 
-    def export(self, session_id: str) -> list[dict[str, Any]]:
+    async def export(self, session_id: str) -> list[dict[str, Any]]:
         """The causal history as plain event objects, ancestors first (travels with an exported checkpoint)."""
-        return [ev.to_dict() for ev in self.causal_history(session_id)]
+        return [ev.to_dict() for ev in await self.causal_history(session_id)]
 
-    def import_(self, events: list[dict[str, Any]]) -> dict[str, int]:
+    async def import_(self, events: list[dict[str, Any]]) -> dict[str, int]:
         """Import exported events; returns {session_id: events added}. All chains are verified before any write.
 
         A session already here is extended when its chain is a prefix of the imported one; a chain that differs
@@ -195,23 +213,25 @@ class EventLog:
             except ValueError as exc:
                 raise BadRequest(f"imported event #{i}: {exc}") from None
             by_session.setdefault(ev.session_id, []).append(ev)
-        to_write: list[Event] = []
+        to_write: list[tuple[str, tuple[int, str] | None, list[EventRecord]]] = []
         added: dict[str, int] = {}
         for sid, chain in by_session.items():
             chain.sort(key=lambda e: e.seq)
             result = verify_events(sid, chain)
             if not result.ok:
                 raise BadRequest(f"imported history of session {sid} does not verify: {result.reason}")
-            local = self.read(sid)
+            local = await self.read(sid)
             for mine, theirs in zip(local, chain, strict=False):  # the shared prefix
                 if mine.hash != theirs.hash:
                     raise Conflict(f"session {sid} already has a different event {mine.seq} on this server")
             new = chain[len(local):]
-            to_write.extend(new)
+            if new:
+                to_write.append((sid, (local[-1].seq, local[-1].hash) if local else None,
+                                 [to_record(e) for e in new]))
             added[sid] = len(new)
         if to_write:
             try:
-                self.db.insert_chain(to_write)
-            except ValueError as exc:
+                await self.history.append_chains(to_write)
+            except (Stale, ValueError) as exc:
                 raise Conflict(f"import raced with a local append: {exc}") from None
         return added

@@ -2,8 +2,9 @@
 
 A build is a sandbox created through the manager like a user's (so admission and limits hold), from the parent
 template or from the step cache's layer; the steps run in it through its agent; a snapshot of it, once its start
-command is ready, is the template. Only `publish` makes a build visible by name, in one catalog transaction, so a
-failed build leaves nothing half-published; the checkpoints it took are deleted from the store.
+command is ready, is the template. Only `publish` makes a build visible by name, in one database transaction
+(keepstate.db.repos.Templates), so a failed build leaves nothing half-published; the checkpoints it took are deleted
+from the store.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import secrets
 import shlex
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from keepstate.db.catalog import BuildRecord, Catalog, TemplateRecord
+from keepstate.db.engine import Database
+from keepstate.db.records import BuildRecord, LayerRecord, TemplateRecord
+from keepstate.db.repos import Templates
 from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Unsupported
 
 from . import sandbox_exec
@@ -128,56 +131,61 @@ rm -rf "$d" "$list" "$a"
 
 
 class TemplateBuilds:
-    """Builds of one server, one at a time (the machine is the limit); their logs in memory."""
+    """Builds of one server, one at a time (the machine is the limit); their logs in memory. Its owner awaits
+    `recover` once, before serving."""
 
-    def __init__(self, manager: SandboxManager, catalog: Catalog, home: Path) -> None:
+    def __init__(self, manager: SandboxManager, db: Database, home: Path) -> None:
         self.m = manager
-        self.catalog = catalog
+        self.db = db
+        self.templates = Templates(db)
         self.uploads = Uploads(home)
         self.logs: dict[str, BuildLog] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._starting: set[str] = set()  # builds a `start` is writing as `building`, not yet in _tasks
         self._one = asyncio.Lock()
         self.ready_timeout = DEFAULT_READY_TIMEOUT  # seconds a ready command may keep failing
         self._misses: dict[str, float] = {}
         manager.template_resolver = self.resolve
-        for b in catalog.builds():  # a build this server did not finish will never finish
+
+    async def recover(self) -> None:
+        """A build this server did not finish will never finish: it is `error` from now on."""
+        for b in await self.templates.builds():
             if b.status in ("waiting", "building"):
-                b.status, b.finished_at = "error", time.time()
-                b.reason = {"message": "the build was interrupted by a server restart", "step": "base"}
-                catalog.put_build(b)
+                await self.templates.put_build(replace(
+                    b, status="error", finished_at=time.time(),
+                    reason={"message": "the build was interrupted by a server restart", "step": "base"}))
 
     # -- resolution -------------------------------------------------------------------------------------------
-    def resolve(self, ref: str) -> dict[str, Any] | None:
+    async def resolve(self, ref: str) -> dict[str, Any] | None:
         """A create's templateID → the snapshot-shaped dict the manager restores from, or None."""
         if ref.startswith(LAYER_PREFIX):
-            layer = self.catalog.get_layer(ref[len(LAYER_PREFIX):])
+            layer = await self.templates.get_layer(ref[len(LAYER_PREFIX):])
             if layer is None:
                 return None
-            return {"snapshot_id": ref, "checkpoint_id": layer[0], "sandbox_id": "template-build",
+            return {"snapshot_id": ref, "checkpoint_id": layer.checkpoint_id, "sandbox_id": "template-build",
                     "template_id": ref, "names": [ref]}
-        build = self.ready_build(ref)
+        build = await self.ready_build(ref)
         if build is None or build.checkpoint_id is None:
             return None
         name, tag = split_ref(ref)
-        t = self.catalog.get_template(name)
+        t = await self.templates.get_template(name)
         label = t.name if t is not None else name
         # "pool": a built template gets a warm pool of restored sandboxes (sandbox/creates.py), one per tag.
         return {"snapshot_id": build.template_id, "checkpoint_id": build.checkpoint_id,
                 "sandbox_id": build.sandbox_id or "template-build", "template_id": build.template_id,
                 "names": [ref], "pool": label if tag == DEFAULT_TAG else f"{label}:{tag}"}
 
-    def ready_build(self, ref: str) -> BuildRecord | None:
+    async def ready_build(self, ref: str) -> BuildRecord | None:
         name, tag = split_ref(ref)
-        t = self.catalog.get_template(name) or self._from_store(name, tag)
+        t = await self.templates.get_template(name) or await self._from_store(name, tag)
         if t is None:
             return None
-        build_id = self.catalog.tag_build(t.template_id, tag)
-        b = self.catalog.get_build(build_id) if build_id else None
+        b = await self.templates.tagged_build(t.template_id, tag)
         return b if b is not None and b.status == "ready" else None
 
-    def _from_store(self, name: str, tag: str) -> TemplateRecord | None:
+    async def _from_store(self, name: str, tag: str) -> TemplateRecord | None:
         """A template another server sharing the store built: its newest snapshot labelled with this name and tag,
-        recorded in this catalog from now on. A miss is remembered for MISS_TTL seconds (the search reads every
+        recorded in this database from now on. A miss is remembered for MISS_TTL seconds (the search reads every
         manifest); this server's own TOML templates are never searched for."""
         if not NAME_RE.match(name) or name in self.m.templates.names() \
                 or self._misses.get(f"{name}:{tag}", 0.0) > time.monotonic():
@@ -196,28 +204,28 @@ class TemplateBuilds:
             return None
         label, checkpoint_id = found
         now = time.time()
-        record = TemplateRecord(str(label["template_id"]), name, int(label.get("cpu") or 0),
-                                int(label.get("memory_mb") or 0), now, now)
+        record = TemplateRecord(template_id=str(label["template_id"]), name=name, cpu=int(label.get("cpu") or 0),
+                                memory_mb=int(label.get("memory_mb") or 0), created_at=now, updated_at=now)
         with contextlib.suppress(Conflict):
-            self.catalog.put_template(record)
+            await self.templates.put_template(record)
         b = BuildRecord(build_id=str(label["build_id"]), template_id=record.template_id, status="ready",
                         created_at=now, checkpoint_id=checkpoint_id, finished_at=now)
-        self.catalog.put_build(b)
-        self.catalog.publish_build(b, [str(t) for t in label.get("tags") or []])
-        self.catalog.put_layer(f"build:{b.build_id}", checkpoint_id, dict(label.get("state") or {}))
+        await self.templates.put_build(b)
+        await self.templates.publish_build(b, [str(t) for t in label.get("tags") or []], LayerRecord(
+            cache_key=f"build:{b.build_id}", checkpoint_id=checkpoint_id, state=dict(label.get("state") or {})))
         log.info("template %s:%s (%s) found in the shared store: checkpoint %s", name, tag, record.template_id,
                  checkpoint_id)
-        return self.catalog.get_template(name)
+        return await self.templates.get_template(name)
 
-    def template(self, ref: str) -> TemplateRecord:
-        t = self.catalog.get_template(split_ref(ref)[0])
+    async def template(self, ref: str) -> TemplateRecord:
+        t = await self.templates.get_template(split_ref(ref)[0])
         if t is None:
             raise NotFound(f"template '{ref}' not found")
         return t
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def request(self, name: str, tags: list[str], cpu: int, memory_mb: int) -> tuple[TemplateRecord, BuildRecord,
-                                                                                    list[str]]:
+    async def request(self, name: str, tags: list[str], cpu: int,
+                      memory_mb: int) -> tuple[TemplateRecord, BuildRecord, list[str]]:
         """`POST /v3/templates`: the template (new, or the one of that name) and a new build in `waiting`."""
         base, tag = split_ref(name)
         if not NAME_RE.match(base):
@@ -230,29 +238,30 @@ class TemplateBuilds:
             raise Conflict(f"'{base}' is a template of this server's own (docs/design/templates.md): pick another "
                            "name")
         now = time.time()
-        record = self.catalog.get_template(base)
+        record = await self.templates.get_template(base)
         if record is None:
-            record = TemplateRecord(new_template_id(), base, cpu, memory_mb, now, now)
-            self.catalog.put_template(record)
+            record = TemplateRecord(template_id=new_template_id(), name=base, cpu=cpu, memory_mb=memory_mb,
+                                    created_at=now, updated_at=now)
+            await self.templates.put_template(record)
         else:
-            self.catalog.update_template(record.template_id, cpu, memory_mb)
-            record.cpu, record.memory_mb = cpu, memory_mb
+            await self.templates.update_template(record.template_id, cpu, memory_mb)
+            record = replace(record, cpu=cpu, memory_mb=memory_mb)
         build = BuildRecord(build_id=str(uuid.uuid4()), template_id=record.template_id, status="waiting",
                             created_at=now, reason={"tags": all_tags})
-        self.catalog.put_build(build)
+        await self.templates.put_build(build)
         return record, build, all_tags
 
-    def build_of(self, template_id: str, build_id: str) -> BuildRecord:
-        b = self.catalog.get_build(build_id)
-        t = self.catalog.get_template(template_id)
+    async def build_of(self, template_id: str, build_id: str) -> BuildRecord:
+        b = await self.templates.get_build(build_id)
+        t = await self.templates.get_template(template_id)
         if b is None or t is None or b.template_id != t.template_id:
             raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
         return b
 
-    def start(self, template_id: str, build_id: str, spec: BuildSpec, api_key_id: str | None) -> None:
+    async def start(self, template_id: str, build_id: str, spec: BuildSpec, api_key_id: str | None) -> None:
         """Checked here, run in the background; the build is `building` when this returns."""
-        b = self.build_of(template_id, build_id)
-        if b.status != "waiting" or build_id in self._tasks:
+        b = await self.build_of(template_id, build_id)
+        if b.status != "waiting" or build_id in self._tasks or build_id in self._starting:
             raise Conflict(f"build '{build_id}' was started already (it is {b.status})")
         if spec.from_image not in (None, BASE_IMAGE):
             self._oci()  # 501 now, before anything starts, when this server cannot pull images
@@ -261,14 +270,18 @@ class TemplateBuilds:
                 raise BadRequest(f"step {i}: the files of {s.describe()} were never uploaded (filesHash "
                                  f"{s.files_hash}): PUT them to the URL of GET /templates/{{id}}/files/{{hash}}")
         tags = list((b.reason or {}).get("tags") or [DEFAULT_TAG])
-        b.status, b.reason = "building", {"tags": tags}
-        self.catalog.put_build(b)
-        self.logs[build_id] = BuildLog()
-        self._tasks[build_id] = asyncio.get_running_loop().create_task(
-            self._run(b, spec, tags, api_key_id), name=f"template-build-{build_id}")
+        self._starting.add(build_id)  # no await between the check above and here: a second start is refused
+        try:
+            b = replace(b, status="building", reason={"tags": tags})
+            await self.templates.put_build(b)
+            self.logs[build_id] = BuildLog()
+            self._tasks[build_id] = asyncio.get_running_loop().create_task(
+                self._run(b, spec, tags, api_key_id), name=f"template-build-{build_id}")
+        finally:
+            self._starting.discard(build_id)
 
-    def status(self, template_id: str, build_id: str, offset: int, limit: int) -> dict[str, Any]:
-        b = self.build_of(template_id, build_id)
+    async def status(self, template_id: str, build_id: str, offset: int, limit: int) -> dict[str, Any]:
+        b = await self.build_of(template_id, build_id)
         entries = self.logs.get(build_id, BuildLog()).entries
         page = entries[offset:offset + limit]
         out: dict[str, Any] = {"templateID": b.template_id, "buildID": b.build_id,
@@ -292,15 +305,15 @@ class TemplateBuilds:
             with contextlib.suppress(BaseException):
                 await task
 
-    def delete(self, ref: str) -> None:
+    async def delete(self, ref: str) -> None:
         """Forget the template, its builds and tags, and delete its snapshots from the store (sandboxes made from
         them need them no more; `store gc` then reclaims what no other checkpoint shares). Step-cache layers stay:
         other templates may start from them."""
-        t = self.template(ref)
-        held = self.catalog.delete_template(t.template_id)
+        t = await self.template(ref)
+        held = await self.templates.delete_template(t.template_id)
         for cp in held:
             self.m.creates.drop_pool(cp)  # its warm sandboxes go too
-            self._forget_checkpoint(cp)
+            await self._forget_checkpoint(cp)
         log.info("template %s (%s) deleted with %d snapshots", t.name, t.template_id, len(held))
 
     # -- the build --------------------------------------------------------------------------------------------
@@ -332,11 +345,11 @@ class TemplateBuilds:
 
             digest = await asyncio.to_thread(latest_digest, self.m.templates, parent)
             return parent, f"toml:{parent}:{digest}", State()
-        build = self.ready_build(parent)
+        build = await self.ready_build(parent)
         if build is None:
             raise StepFailed("base", f"template '{parent}' not found (no ready build)")
-        layer = self.catalog.get_layer(f"build:{build.build_id}")
-        return parent, f"build:{build.build_id}", State.from_json(layer[1]) if layer else State()
+        layer = await self.templates.get_layer(f"build:{build.build_id}")
+        return parent, f"build:{build.build_id}", State.from_json(layer.state) if layer else State()
 
     async def _run(self, b: BuildRecord, spec: BuildSpec, tags: list[str], api_key_id: str | None) -> None:
         logs = self.logs[b.build_id]
@@ -354,30 +367,24 @@ class TemplateBuilds:
                 ("base", exc.message)
             log.warning("template build %s failed at step %s: %s", b.build_id, step, message)
             logs.add(message, level="error", step=step)
-            b.status, b.finished_at, b.reason = "error", time.time(), {"message": message, "step": step}
-            self.catalog.put_build(b)
+            await self.templates.put_build(replace(b, status="error", finished_at=time.time(),
+                                                   reason={"message": message, "step": step}))
             for cp in taken:  # nothing of a failed build survives: `store gc` reclaims the data
-                self._forget_checkpoint(cp)
+                await self._forget_checkpoint(cp)
         except asyncio.CancelledError:
-            b.status, b.finished_at = "error", time.time()
-            b.reason = {"message": "the build was cancelled (server stopping)", "step": "base"}
-            self.catalog.put_build(b)
+            await self.templates.put_build(replace(
+                b, status="error", finished_at=time.time(),
+                reason={"message": "the build was cancelled (server stopping)", "step": "base"}))
             raise
         finally:
             self._tasks.pop(b.build_id, None)
 
-    def _forget_checkpoint(self, checkpoint_id: str) -> None:
-        for key in [k for k, cp in self._layers_of(checkpoint_id)]:
-            self.catalog.delete_layer(key)
+    async def _forget_checkpoint(self, checkpoint_id: str) -> None:
+        await self.templates.delete_layers_of(checkpoint_id)
         with contextlib.suppress(Exception):
-            self.m.durable.repo.delete_checkpoint(checkpoint_id)
+            await asyncio.to_thread(self.m.durable.repo.delete_checkpoint, checkpoint_id)  # files: off the loop
         with contextlib.suppress(Exception):
-            self.m.recorder.lineage.forget_checkpoint(checkpoint_id)
-
-    def _layers_of(self, checkpoint_id: str) -> list[tuple[str, str]]:
-        rows = self.catalog._q("SELECT cache_key, checkpoint_id FROM template_layers WHERE checkpoint_id=?",
-                               (checkpoint_id,))
-        return [(str(r[0]), str(r[1])) for r in rows]
+            await self.m.recorder.lineage.forget_checkpoint(checkpoint_id)
 
     async def _build(self, b: BuildRecord, spec: BuildSpec, tags: list[str], api_key_id: str | None,
                      logs: BuildLog, taken: list[str]) -> str:
@@ -391,14 +398,14 @@ class TemplateBuilds:
         if not spec.force:
             first_forced = next((i for i, s in enumerate(spec.steps) if s.force), n)
             for i in range(min(first_forced, n), 0, -1):
-                layer = self.catalog.get_layer(keys[i - 1])
+                layer = await self.templates.get_layer(keys[i - 1])
                 if layer is not None:
-                    hit, layer_state = i, layer[1]
+                    hit, layer_state = i, layer.state
                     break
         source = f"{LAYER_PREFIX}{keys[hit - 1]}" if hit else parent
         if layer_state is not None:
             state = State.from_json(layer_state)
-        t = self.catalog.get_template(b.template_id)
+        t = await self.templates.get_template(b.template_id)
         assert t is not None
         logs.add(f"[base] build sandbox from {'a cached layer of ' + parent if hit else parent!r}", step="base")
         try:
@@ -417,7 +424,7 @@ class TemplateBuilds:
     async def _steps_and_finish(self, b: BuildRecord, spec: BuildSpec, tags: list[str], row: SandboxRow,
                                 state: State, keys: list[str], hit: int, logs: BuildLog, taken: list[str]) -> str:
         sandbox_id, n = row.sandbox_id, len(spec.steps)
-        t = self.catalog.get_template(b.template_id)
+        t = await self.templates.get_template(b.template_id)
         assert t is not None
         for i, s in enumerate(spec.steps, 1):
             if i <= hit:
@@ -430,7 +437,7 @@ class TemplateBuilds:
             await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
             cp = await self.m.checkpoint(sandbox_id)
             taken.append(cp)
-            self.catalog.put_layer(keys[n - 1], cp, state.to_json())
+            await self.templates.put_layer(keys[n - 1], cp, state.to_json())
             logs.add(f"layer cached ({cp})")
         await self._finalize(spec, row.address, row.access_token, state, logs, sandbox_id)
         self.m.idle.wake(sandbox_id)
@@ -443,9 +450,9 @@ class TemplateBuilds:
         except KeepStateError as exc:
             raise StepFailed("finalize", f"the template snapshot failed: {exc.message}") from None
         taken.append(cp)
-        b.status, b.checkpoint_id, b.sandbox_id, b.finished_at = "ready", cp, sandbox_id, time.time()
-        self.catalog.publish_build(b, tags)
-        self.catalog.put_layer(f"build:{b.build_id}", cp, state.to_json())
+        ready = replace(b, status="ready", checkpoint_id=cp, sandbox_id=sandbox_id, finished_at=time.time())
+        layer = LayerRecord(cache_key=f"build:{b.build_id}", checkpoint_id=cp, state=state.to_json())
+        await self.templates.publish_build(ready, tags, layer)  # with its layer: one transaction
         taken.clear()  # published: they are the template's now
         logs.add(f"template {t.name} ({t.template_id}) ready: tags {', '.join(tags)}", step="finalize")
         return sandbox_id

@@ -94,7 +94,7 @@ class FakeSlots:
     def orphaned(self) -> list[tuple[int, str]]:
         with self._lock:
             return [(slot, name) for slot, name in self._owners.items()
-                    if name and not (Path(self._homes[slot]) / "catalog.sqlite").exists()]
+                    if name and not Path(self._homes[slot]).is_dir()]
 
     def home(self, slot: int) -> str | None:
         with self._lock:

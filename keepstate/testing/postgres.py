@@ -4,6 +4,11 @@
         pg.createdb("t1")
         url = pg.url("t1")        # postgresql://postgres@/t1?host=/tmp/keepstate-pg-XXXX
 
+From a shell (scripts/test.sh runs a server on it), one that outlives the command until `down`:
+
+    python -m keepstate.testing.postgres up --state FILE    # prints the URL of its database `keepstate`
+    python -m keepstate.testing.postgres down --state FILE
+
 Debian's `postgresql` package provides the binaries (/usr/lib/postgresql/15/bin). PostgreSQL refuses to run as root,
 so when the caller is root (the tests are) the server commands run as the `postgres` user (`runuser`) and the
 directory is handed to it; the cluster trusts every local connection (`initdb -A trust`) and listens on no TCP
@@ -12,7 +17,9 @@ address (`listen_addresses=''`). `fsync=off`: its data is thrown away with it.
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import json
 import os
 import pwd
 import shutil
@@ -154,3 +161,41 @@ class PostgresServer:
         if done.returncode != 0:
             out = (done.stderr or done.stdout).decode(errors="replace").strip()
             raise RuntimeError(f"{' '.join(cmd)}: exit {done.returncode}: {out}")
+
+
+def up(state: Path, dbname: str = "keepstate") -> str:
+    """Start a server that outlives this process, create `dbname`, record both in `state`; the database's URL."""
+    pg = PostgresServer().start()
+    atexit.unregister(pg.stop)  # it outlives this process: `down` stops it
+    url = pg.createdb(dbname)
+    state.write_text(json.dumps({"dir": str(pg.dir), "url": url}))
+    return url
+
+
+def down(state: Path) -> None:
+    """Stop the server `up` recorded in `state` and remove its directory (nothing to do if there is none)."""
+    try:
+        found = json.loads(state.read_text())
+    except (OSError, ValueError):
+        return
+    pg = PostgresServer()
+    pg.dir = Path(found["dir"])
+    pg.stop()
+    state.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m keepstate.testing.postgres",
+                                     description="A throwaway PostgreSQL 15 for tests, on a Unix socket only.")
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--state", type=Path, required=True, help="where `up` records the server for `down`")
+    args = parser.parse_args(argv)
+    if args.action == "up":
+        print(up(args.state))
+    else:
+        down(args.state)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

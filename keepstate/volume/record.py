@@ -1,14 +1,7 @@
-"""A volume's catalog record. Pure data."""
+"""A volume's record: the database's own (keepstate.db.records.VolumeRecord). Pure data."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from keepstate.db.records import VolumeRecord
 
-
-@dataclass(frozen=True)
-class VolumeRecord:
-    volume_id: str
-    name: str
-    token: str
-    size_mb: int
-    created_at: float
+__all__ = ["VolumeRecord"]

@@ -5,13 +5,14 @@
     <home>/volumes/<volumeID>/fs/data/        the volume root, bind-mounted into sandboxes
     <home>/volumes/<volumeID>/fs/.uploads/    uploads being written
 
-Disk first, catalog last on create; catalog first, disk last on destroy: a crash leaves at worst a directory with
-no catalog row, which `mount_all` (at every start) removes.
+Disk first, database last on create; database first, disk last on destroy: a crash leaves at worst a directory
+with no row, which `mount_all` (at every start) removes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hmac
 import logging
 import os
@@ -21,18 +22,16 @@ import shutil
 import subprocess
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from keepstate.db.engine import Database
+from keepstate.db.repos import Volumes as VolumesRepo
 from keepstate.errors import BadRequest, Conflict, NotFound, Refused, Unauthorized, Unavailable
 
 from .paths import DEFAULT_GID, DEFAULT_UID, VolumeRoot
 from .record import VolumeRecord
-
-if TYPE_CHECKING:
-    from keepstate.db.catalog import Catalog
 
 log = logging.getLogger("keepstate.volume")
 
@@ -86,18 +85,19 @@ class Gate:
 
 
 class Volumes:
-    """Every volume of this server. Creates and destroys block (subprocesses, disk): call them in threads."""
+    """Every volume of this server. The disk work of a create or destroy runs in a thread of its own."""
 
-    def __init__(self, home: Path, catalog: Catalog, backend: str = "ext4",
+    def __init__(self, home: Path, db: Database, backend: str = "ext4",
                  default_size_mb: int = DEFAULT_SIZE_MB) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"volume backend must be one of {BACKENDS}, not {backend!r}")
         self.base = home / "volumes"
-        self.catalog = catalog
+        self.repo = VolumesRepo(db)
         self.backend = backend
         self.default_size_mb = default_size_mb
         self._gates: dict[str, Gate] = {}
         self._pins: Counter[str] = Counter()
+        self._forgetting: set[str] = set()  # destroys under way: no create pins them any more
 
     # -- layout ------------------------------------------------------------------------------------------------
     def dir(self, volume_id: str) -> Path:
@@ -111,22 +111,22 @@ class Volumes:
         return VolumeRoot(self.data(vol.volume_id), self.dir(vol.volume_id) / "fs" / ".uploads", quota)
 
     # -- reading -----------------------------------------------------------------------------------------------
-    def get(self, volume_id: str) -> VolumeRecord:
-        vol = self.catalog.get_volume(volume_id)
+    async def get(self, volume_id: str) -> VolumeRecord:
+        vol = await self.repo.get(volume_id)
         if vol is None:
             raise NotFound(f"volume '{volume_id}' not found")
         return vol
 
-    def list(self) -> list[VolumeRecord]:
-        return self.catalog.volumes()
+    async def list(self) -> builtins.list[VolumeRecord]:
+        return await self.repo.list()
 
-    def authorize(self, volume_id: str, header: str | None) -> VolumeRecord:
+    async def authorize(self, volume_id: str, header: str | None) -> VolumeRecord:
         """The volume a content request may use: `Authorization: Bearer <its token>` (401), existing (404)."""
         if not header or not header.startswith("Bearer ") or not header[7:].strip():
             raise Unauthorized("missing volume token: send `Authorization: Bearer <token>` (the token "
                                "POST /volumes or GET /volumes/{volumeID} returned; not the API key)")
         token = header[7:].strip()
-        vol = self.catalog.get_volume(volume_id)
+        vol = await self.repo.get(volume_id)
         if vol is None:
             raise NotFound(f"volume '{volume_id}' not found")
         if not hmac.compare_digest(token.encode("utf-8", "replace"), vol.token.encode()):
@@ -150,16 +150,17 @@ class Volumes:
             raise BadRequest(f"`sizeMB` must be a whole number from {MIN_SIZE_MB} to {MAX_SIZE_MB}")
         return name, size_mb
 
-    def create(self, name: str, size_mb: int) -> VolumeRecord:
+    async def create(self, name: str, size_mb: int) -> VolumeRecord:
         """Make the volume on disk, then record it; a name taken meanwhile undoes the disk work (Conflict)."""
-        if self.catalog.volume_by_name(name) is not None:
+        if await self.repo.by_name(name) is not None:
             raise Conflict(f"a volume named '{name}' exists")
-        vol = VolumeRecord(new_volume_id(), name, new_token(), size_mb, time.time())
+        vol = VolumeRecord(volume_id=new_volume_id(), name=name, token=new_token(), size_mb=size_mb,
+                           created_at=time.time())
         try:
-            self._provision(vol)
-            self.catalog.put_volume(vol)  # Conflict when the name was taken meanwhile
+            await asyncio.to_thread(self._provision, vol)
+            await self.repo.put(vol)  # Conflict when the name was taken meanwhile
         except BaseException:
-            self._remove_disk(vol.volume_id)
+            await asyncio.to_thread(self._remove_disk, vol.volume_id)
             raise
         log.info("volume %s (%s) created: %d MiB, backend %s", vol.volume_id, name, size_mb, self.backend)
         return vol
@@ -202,17 +203,23 @@ class Volumes:
         self._unmount(volume_id)
         shutil.rmtree(d, ignore_errors=True)
 
-    def forget(self, volume_id: str, users: Iterable[str]) -> VolumeRecord:
-        """Step one of a destroy (no await before it, so no create slips in): refuse while anything mounts the
-        volume, else drop its catalog row (new calls get 404)."""
-        vol = self.get(volume_id)
-        busy = sorted(set(users))
+    async def forget(self, volume_id: str, users: Callable[[], Iterable[str]]) -> VolumeRecord:
+        """Step one of a destroy: refuse while anything mounts the volume (`users()`, asked with no await between
+        it and the refusal of new pins), else drop its row (new calls get 404)."""
+        vol = await self.get(volume_id)
+        if volume_id in self._forgetting:
+            raise NotFound(f"volume '{volume_id}' not found")
+        busy = sorted(set(users()))
         if busy:
             raise Conflict(f"volume '{vol.name}' is mounted by sandbox {', '.join(busy)}; kill "
                            f"{'it' if len(busy) == 1 else 'them'} first")
         if self._pins[volume_id]:
             raise Conflict(f"volume '{vol.name}' is being mounted by a sandbox that is starting; retry")
-        self.catalog.delete_volume(volume_id)
+        self._forgetting.add(volume_id)  # from here no create pins it, whatever the await below lets run
+        try:
+            await self.repo.delete(volume_id)
+        finally:
+            self._forgetting.discard(volume_id)
         return vol
 
     def remove(self, volume_id: str) -> None:
@@ -222,15 +229,18 @@ class Volumes:
         log.info("volume %s destroyed", volume_id)
 
     # -- mounts for sandboxes ----------------------------------------------------------------------------------
-    @contextmanager
-    def pinned(self, names: Iterable[str]) -> Iterator[dict[str, VolumeRecord]]:
+    @asynccontextmanager
+    async def pinned(self, names: Iterable[str]) -> AsyncIterator[dict[str, VolumeRecord]]:
         """Resolve volume names (BadRequest for an unknown one) and hold them against a destroy meanwhile."""
         found: dict[str, VolumeRecord] = {}
         for name in names:
-            vol = self.catalog.volume_by_name(name)
+            vol = await self.repo.by_name(name)
             if vol is None:
                 raise BadRequest(f"volume '{name}' not found (create it with Volume.create or POST /volumes)")
             found[name] = vol
+        for vol in found.values():  # no await from this check to the pins below
+            if vol.volume_id in self._forgetting:
+                raise BadRequest(f"volume '{vol.name}' not found (it is being destroyed)")
         for vol in found.values():
             self._pins[vol.volume_id] += 1
         try:
@@ -241,18 +251,21 @@ class Volumes:
                 if not self._pins[vol.volume_id]:
                     del self._pins[vol.volume_id]
 
-    def source(self, volume_id: str, name: str) -> Path:
+    async def source(self, volume_id: str, name: str) -> Path:
         """The host directory to bind-mount for a volume a sandbox names; Refused if it is gone (a snapshot)."""
-        if self.catalog.get_volume(volume_id) is None:
+        if await self.repo.get(volume_id) is None:
             raise Refused(f"volume '{name}' ({volume_id}) no longer exists; the checkpoint was taken with it "
                           "mounted and gVisor restores only onto the same mounts")
         return self.data(volume_id)
 
     # -- start and stop ----------------------------------------------------------------------------------------
-    def mount_all(self) -> None:
-        """At start: mount every volume in the catalog that is not (after a reboot or a reap-on-exit stop), and
+    async def mount_all(self) -> None:
+        """At start: mount every volume in the database that is not (after a reboot or a reap-on-exit stop), and
         remove directories left by a create or destroy that crashed half-way."""
-        known = {v.volume_id for v in self.catalog.volumes()}
+        known = {v.volume_id for v in await self.repo.list()}
+        await asyncio.to_thread(self._mount_all, known)
+
+    def _mount_all(self, known: set[str]) -> None:
         if self.base.exists():
             for d in self.base.iterdir():
                 if d.name not in known:
@@ -266,8 +279,11 @@ class Volumes:
         if known:
             log.info("%d volume(s) ready (backend %s)", len(known), self.backend)
 
-    def unmount_all(self) -> None:
-        for vol in self.catalog.volumes():
+    async def unmount_all(self) -> None:
+        await asyncio.to_thread(self._unmount_all, await self.repo.list())
+
+    def _unmount_all(self, volumes: builtins.list[VolumeRecord]) -> None:
+        for vol in volumes:
             try:
                 self._unmount(vol.volume_id)
             except Unavailable as exc:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from keepstate.testing.databases import require_postgres
+from keepstate.testing.postgres import PostgresServer
 from tests.sdk.sdkharness import KEEPSTATE, TEMPLATE_CACHE, Server, make_key, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,17 +53,28 @@ def fake_runtime() -> bool:
     return "--runtime" in out
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, bool]]:
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, bool]]:
+    """The server, on its embedded SQLite and again on a PostgreSQL of the test's own."""
     fake = fake_runtime()
     if not fake and (os.geteuid() != 0 or not (Path(TEMPLATE_CACHE) / "base" / "current").exists()):
         pytest.skip("no `keepstate serve --runtime fake`, and real sandboxes need root and a built `base` template")
     home = str(tmp_path_factory.mktemp("fuzz-home"))
     extra = ("--warm", "base", "--reap-on-exit", *(("--runtime", "fake") if fake else ()))
+    pg: PostgresServer | None = None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KEEPSTATE_VALIDATE_RESPONSES", "1")
-        srv = start_server(home, pool=1, extra=extra)
-    srv.key = make_key(home)
+        if request.param == "postgresql":
+            require_postgres()
+            pg = PostgresServer().start()
+            mp.setenv("KEEPSTATE_DB", pg.createdb("fuzz"))  # the server and the key's `keepstate keys create`
+        try:
+            srv = start_server(home, pool=1, extra=extra)
+            srv.key = make_key(home)
+        except BaseException:
+            if pg is not None:
+                pg.stop()
+            raise
     try:
         yield srv, fake
     finally:
@@ -72,6 +85,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, b
         except subprocess.TimeoutExpired:
             os.killpg(srv.proc.pid, signal.SIGKILL)
             srv.proc.wait(timeout=30)
+        if pg is not None:
+            pg.stop()
 
 
 def config(hooks: Path, fake: bool) -> str:

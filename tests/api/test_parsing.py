@@ -16,8 +16,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from keepstate.api import app as app_module
 from keepstate.api import control, events, schemas, spec
 from keepstate.api.keys import ENVD_VERSION, MANAGER
+from keepstate.db import migrate
+from keepstate.db.engine import Database
+from keepstate.db.repos import History
+from keepstate.db.url import default_url
 from keepstate.errors import BadRequest, NotFound
-from keepstate.session import EventLog, Lineage, SessionDB
+from keepstate.session import EventLog, Lineage
 
 BAD_BODIES = [
     b"\xff\xfe{}",  # not UTF-8 (what schemathesis found: UnicodeDecodeError -> 500)
@@ -236,9 +240,9 @@ class StubManager:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.pools: dict[str, Any] = {}
         self.live: dict[str, Any] = {}
-        self.catalog = self
+        self.rows = self
 
-    def snapshots(self) -> list[dict[str, Any]]:
+    async def snapshots(self) -> list[dict[str, Any]]:
         return []
 
     def listed(self) -> list[Any]:
@@ -255,7 +259,7 @@ class StubManager:
     def teardowns_pending(self) -> int:
         return 0
 
-    def find_snapshot(self, ref: str) -> None:
+    async def find_snapshot(self, ref: str) -> None:
         self.calls.append(("find_snapshot", (ref,)))
         return None
 
@@ -275,10 +279,11 @@ errors_as_json = app_module.errors_as_json  # what the server itself does with e
 async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
         tuple[TestClient[web.Request, web.Application], StubManager]]:
     stub = StubManager()
-    db = SessionDB(tmp_path_factory.mktemp("sessions") / "sessions.sqlite")
-    log, lineage = EventLog(db), Lineage(db)
-    log.append("s1", "sandbox.created", {"template": "base"})
-    lineage.record_session("s1", "base")
+    db = await Database.open(default_url(tmp_path_factory.mktemp("sessions")))
+    await migrate.upgrade(db)
+    log, lineage = EventLog(History(db)), Lineage(History(db))
+    await log.append("s1", "sandbox.created", {"template": "base"})
+    await lineage.record_session("s1", "base")
     app = web.Application(middlewares=[spec.validating_middleware(enabled=True), errors_as_json],
                           client_max_size=1 << 20)
     app[MANAGER] = cast(Any, stub)
@@ -289,7 +294,7 @@ async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
     app.add_routes(events.routes)
     async with TestClient(TestServer(app)) as c:
         yield c, stub
-    db.close()
+    await db.close()
 
 
 @pytest.fixture

@@ -8,9 +8,8 @@ from urllib.parse import quote, unquote, urlencode
 import pytest
 
 from keepstate.api import schemas
-from keepstate.db.catalog import SandboxRow
 from keepstate.errors import BadRequest
-from keepstate.sandbox.record import Settings
+from keepstate.sandbox.record import SandboxRow, Settings
 
 
 def row(sid: str, started: float, state: str = "running", template: str = "base", **md: str) -> SandboxRow:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -16,12 +17,16 @@ from click.testing import CliRunner, Result
 
 from keepstate.cli import common
 from keepstate.cli.main import SUBCOMMANDS, cli
+from keepstate.db.repos import History
+from keepstate.db.setup import prepare
+from keepstate.db.url import default_url
 from keepstate.session import EventLog
 from keepstate.store import LocalBackend, Repository
 
 
 def ks(home: Path, *args: str) -> Result:
-    env = {"KEEPSTATE_HOME": str(home), "KEEPSTATE_STORE": None, "E2B_API_KEY": None, "E2B_API_URL": None}
+    env = {"KEEPSTATE_HOME": str(home), "KEEPSTATE_DB": None, "KEEPSTATE_STORE": None, "E2B_API_KEY": None,
+           "E2B_API_URL": None}
     return CliRunner(env=env).invoke(cli, list(args), prog_name="keepstate", catch_exceptions=False)
 
 
@@ -52,9 +57,14 @@ def test_no_store(tmp_path: Path) -> None:
 
 
 def test_unknown_session(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / "sessions.sqlite")
-    log.append("isess1", "sandbox.create", {"template_id": "base"})
-    log.close()
+    async def record() -> None:
+        db = await prepare(default_url(tmp_path), tmp_path)
+        try:
+            await EventLog(History(db)).append("isess1", "sandbox.create", {"template_id": "base"})
+        finally:
+            await db.close()
+
+    asyncio.run(record())
     assert "nobody" in json_error(ks(tmp_path, "events", "nobody", "--json"), 3, 404)["message"]
     assert "nobody" in text_error(ks(tmp_path, "events", "nobody"), 3)
     assert "--api-url" in json_error(ks(tmp_path, "events", "isess1", "--replay", "--json"), 2, 400)["message"]

@@ -176,3 +176,24 @@ async def test_unavailable_while_postgres_is_down_and_fine_once_it_is_back() -> 
             await db.close()
     finally:
         await asyncio.to_thread(pg.stop)
+
+
+async def test_a_nul_in_text_is_refused_alike_on_both_databases(database: Database) -> None:
+    """PostgreSQL's text cannot hold U+0000 (its DataError would be a 500); SQLite's can: both refuse it, before the
+    statement runs, as bad input (400), whether it is written or only looked up. Bytes with a NUL pass."""
+    import sqlalchemy as sa
+
+    from keepstate.db.records import SecretRecord
+    from keepstate.db.repos import Secrets, Volumes
+    from keepstate.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="NUL"):
+        await Volumes(database).by_name("a\x00b")
+    with pytest.raises(BadRequest, match="NUL"):
+        await Secrets(database).put(SecretRecord(secret_id="sec_1", name="n\x00", current_version=1, created_at=0,
+                                                 updated_at=0), b"x")
+    made = await Secrets(database).put(SecretRecord(secret_id="sec_2", name="n", current_version=1, created_at=0,
+                                                    updated_at=0), b"\x00sealed\x00")
+    assert await Secrets(database).sealed(made.secret_id, 1) == b"\x00sealed\x00"
+    async with database.read() as conn:  # the database still answers afterwards
+        assert (await conn.execute(sa.text("SELECT 1"))).scalar_one() == 1

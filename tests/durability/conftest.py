@@ -49,7 +49,7 @@ class Fleet:
         # A server these tests SIGKILLed may have left sandboxes behind (that is the point of the tests): a
         # server started on each surviving data directory adopts them, and --reap-on-exit destroys them.
         for home in {srv.home for srv in self.servers}:
-            if not os.path.exists(os.path.join(home, "catalog.sqlite")):
+            if not os.path.exists(os.path.join(home, "keepstate.sqlite")):  # no server ever started on it
                 continue
             reaper = start_server(home, pool=0, extra=("--reap-on-exit", "--warm", ""))
             assert reaper.proc is not None

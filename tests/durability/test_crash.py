@@ -60,8 +60,8 @@ def command_recorded(srv, sandbox_id: str, command: str) -> bool:
 
 
 def standby_of(srv, sandbox_id: str) -> bool:
-    """Whether the catalog still records a frozen instance (standby, or one being released) for the sandbox."""
-    db = sqlite3.connect(Path(srv.home) / "catalog.sqlite")
+    """Whether the database still records a frozen instance (standby, or one being released) for the sandbox."""
+    db = sqlite3.connect(f"file:{Path(srv.home) / 'keepstate.sqlite'}?mode=ro", uri=True, timeout=10)
     try:
         (doc,) = db.execute("SELECT doc FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
     finally:
@@ -241,8 +241,9 @@ def test_edited_event_fails_verification(fleet: Fleet) -> None:
                "the server to pull the command's start and exit from the agent's journal")
     ok = ks(srv, "events", sbx.sandbox_id, "--verify")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    db = sqlite3.connect(Path(srv.home) / "sessions.sqlite")
-    db.execute("UPDATE events SET kind='tampered' WHERE session_id=? AND seq=1", (sbx.sandbox_id,))
+    db = sqlite3.connect(Path(srv.home) / "keepstate.sqlite", timeout=10)  # the history is in the one database
+    assert db.execute("UPDATE events SET kind='tampered' WHERE session_id=? AND seq=1",
+                      (sbx.sandbox_id,)).rowcount == 1
     db.commit()
     db.close()
     bad = ks(srv, "events", sbx.sandbox_id, "--verify")

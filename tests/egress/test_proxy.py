@@ -17,7 +17,7 @@ import logging
 import socket
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,16 @@ RULES = {"api.rule.test": [{"transform": {"headers": {"Authorization": "Bearer $
          "err.rule.test": [{"transform": {"headers": {"X-Err": "${e2b.secrets.explodes}"}}}]}
 
 
-def secret_value(name: str) -> str | None:
+def secrets_of(values: dict[str, str]) -> Callable[[str], Awaitable[str | None]]:
+    """The proxy's `secret_value` (the secret store's async `value`) over a dict."""
+
+    async def value(name: str) -> str | None:
+        return values.get(name)
+
+    return value
+
+
+async def secret_value(name: str) -> str | None:
     if name == "explodes":  # as the store does when a value does not decrypt
         raise RuntimeError("the secret does not decrypt with this key")
     return SECRETS.get(name)
@@ -309,7 +318,7 @@ async def test_a_missing_secret_is_a_502_naming_it_and_no_value(env: Env) -> Non
 async def test_plain_http_secrets_go_only_to_an_address_resolved_for_the_name(env: Env, ups: Upstreams,
                                                                              upstream_ca: CA) -> None:
     answers = {("127.1.253.1", "api.rule.test", "127.0.0.1")}
-    proxy = Proxy(lookup=lambda ip: rule_policy(), secret_value=SECRETS.get, ca=env.egress_ca,
+    proxy = Proxy(lookup=lambda ip: rule_policy(), secret_value=secrets_of(SECRETS), ca=env.egress_ca,
                   upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
                   original_dst=lambda sock: ("127.0.0.1", ups.http), resolved=lambda *a: a in answers)
     await proxy.start("127.0.0.1", 0)
@@ -639,7 +648,7 @@ async def test_200_concurrent_connections(env: Env) -> None:
 async def test_stop_resets_open_connections_and_leaves_no_task(env: Env, ups: Upstreams, upstream_ca: CA) -> None:
     policy = rule_policy()
     targets = {"127.1.251.1": ("127.0.0.1", ups.reverse), "127.1.251.2": ("127.0.0.1", ups.https)}
-    proxy = Proxy(lookup=lambda ip: policy, secret_value=SECRETS.get, ca=env.egress_ca,
+    proxy = Proxy(lookup=lambda ip: policy, secret_value=secrets_of(SECRETS), ca=env.egress_ca,
                   upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
                   original_dst=lambda sock: targets[sock.getpeername()[0]])
     others = {t for t in asyncio.all_tasks() if _is_proxy_task(t)}  # the module's proxy
@@ -670,7 +679,7 @@ async def test_stop_resets_open_connections_and_leaves_no_task(env: Env, ups: Up
 
 
 async def test_a_sandbox_over_its_connection_limit_is_reset(env: Env, ups: Upstreams, upstream_ca: CA) -> None:
-    proxy = Proxy(lookup=lambda ip: default(), secret_value=SECRETS.get, ca=env.egress_ca,
+    proxy = Proxy(lookup=lambda ip: default(), secret_value=secrets_of(SECRETS), ca=env.egress_ca,
                   upstream_trust=trusting(upstream_ca), guard=lambda ip: ip != "127.0.0.1",
                   original_dst=lambda sock: ("127.0.0.1", ups.reverse), max_connections=2)
     await proxy.start("127.0.0.1", 0)

@@ -41,7 +41,9 @@ async def main():
     await runner.setup()
     await web.TCPSite(runner, "203.0.113.7", 80).start()
     policy = parse({"rules": {"api.rule.test": [{"transform": {"headers": {"X-Key": "${e2b.secrets.k}"}}}]}})
-    proxy = Proxy(lookup={"198.51.100.9": policy}.get, secret_value={"k": "value-1"}.get,
+    async def secret_value(name):
+        return {"k": "value-1"}.get(name)
+    proxy = Proxy(lookup={"198.51.100.9": policy}.get, secret_value=secret_value,
                   ca=CA.create("egress"), upstream_trust=ssl.create_default_context(), guard=lambda ip: False)
     await proxy.start("127.0.0.1", 0)
     port = proxy.address[1]

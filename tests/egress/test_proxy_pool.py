@@ -26,6 +26,8 @@ from keepstate.egress.pool import Key, Pool, Upstream, Watched
 from keepstate.egress.proxy import Proxy
 from keepstate.testing.internet_http import Site, serve_site, tls_context
 
+from .test_proxy import secrets_of
+
 NAME = "pool.test"
 SECRET = "pool-secret-VALUE-93"
 
@@ -114,7 +116,7 @@ async def site() -> AsyncIterator[tuple[Site, dict[str, int]]]:
 
 
 def make_proxy(env_ref: list[Env], ca_pem: str, egress_ca: CA, pool: Pool | None = None) -> Proxy:
-    return Proxy(lookup=lambda ip: env_ref[0].policies.get(ip), secret_value={"k": SECRET}.get, ca=egress_ca,
+    return Proxy(lookup=lambda ip: env_ref[0].policies.get(ip), secret_value=secrets_of({"k": SECRET}), ca=egress_ca,
                  upstream_trust=ssl.create_default_context(cadata=ca_pem), guard=lambda ip: ip != "127.0.0.1",
                  original_dst=lambda sock: ("127.0.0.1", env_ref[0].targets[sock.getpeername()[0]]), pool=pool)
 

@@ -14,11 +14,18 @@ import aiohttp
 import openai
 import pytest
 
+from keepstate.db.engine import Database
 from keepstate.gateway import GATEWAY
 from keepstate.gateway.ledger import reconcile
 from keepstate.testing import FakeProvider, Fault
 
 from .conftest import HOST_KEY, make_config, start_gateway
+
+
+@pytest.fixture
+def gw_database(database: Database) -> Database:
+    """SQLite and PostgreSQL: budgets and billing under load are what the database keeps."""
+    return database
 
 AGENTS, CALLS = 8, 30
 SESSION_LIMIT_USD = 0.0021  # roughly half of a session's calls fit, by their worst case
@@ -68,28 +75,28 @@ async def agent(url: str, token: str, n: int, rng: random.Random, outcomes: dict
 
 
 @pytest.mark.timeout(120)
-async def test_chaos(tmp_path: Path) -> None:
+async def test_chaos(tmp_path: Path, gw_database: Database) -> None:
     rng = random.Random(4)
     async with FakeProvider(first_token_s=0.003, chunk_s=0.001, api_key=HOST_KEY) as fake:
         cfg = make_config(fake, tmp_path, default_max_output_tokens=32)
         cfg.key_budgets_usd = {"shared-key": KEY_LIMIT_USD}
         cfg.session_budgets_usd = {f"s{n}": SESSION_LIMIT_USD for n in range(AGENTS)}
-        runner, url = await start_gateway(cfg)
+        runner, url = await start_gateway(cfg, gw_database)
         gw = runner.app[GATEWAY]
         try:
             fake.inject(Fault(status=500, endpoint="chat"), times=6)
             fake.inject(Fault(status=503, endpoint="messages"), times=3)
             outcomes: dict[str, int] = defaultdict(int)
-            tokens = [gw.register_run(f"s{n}", f"sbx{n}", "shared-key", None) for n in range(AGENTS)]
+            tokens = [await gw.register_run(f"s{n}", f"sbx{n}", "shared-key", None) for n in range(AGENTS)]
             await asyncio.gather(*(agent(url, t, n, random.Random(rng.random()), outcomes)
                                    for n, t in enumerate(tokens)))
             await gw.drain()
 
-            stats, store = fake.stats(), gw.store
-            entries = store.entries()
+            stats, store = fake.stats(), gw.ledger
+            entries = await store.entries()
             upstream = [e for e in entries if e["kind"] == "upstream"]
             ok = [e for e in upstream if e["outcome"] == "ok"]
-            done_keys = {c.call_key for c in store.calls() if c.status == "done"}
+            done_keys = {c.call_key for c in await store.calls() if c.status == "done"}
             assert sum(outcomes.values()) == AGENTS * CALLS >= 200
             assert outcomes["refused_429"] > 0 and outcomes["ok"] > 0  # the budgets did bite
             # Every request the provider saw is in the ledger; every billed call is one distinct call key.
@@ -104,10 +111,10 @@ async def test_chaos(tmp_path: Path) -> None:
                 per_session[e["session_id"]] += e["cost_nano"]
             assert max(per_session.values()) <= SESSION_LIMIT_USD * 1e9
             assert sum(per_session.values()) <= KEY_LIMIT_USD * 1e9
-            for b in store.budgets():
+            for b in await store.budgets():
                 assert b["spent_nano"] <= b["limit_nano"] and b["reserved_nano"] == 0
             counts = {"fake-openai": {k: v for k, v in stats.to_dict().items() if k != "served"}}
             counts["fake-openai"] = {}  # one fake serves both providers: compare the totals above instead
-            assert reconcile(store, gw.prices, counts) == []
+            assert await reconcile(store, gw.prices, counts) == []
         finally:
             await runner.cleanup()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from keepstate.db.repos.ledger import Position
 from keepstate.gateway.marks import align, high_cut, low_cut, window
-from keepstate.gateway.store import Position
 
 
 def pos(ordinal: int, arrived: float, delivered: float | None, body: str | None = None) -> Position:
-    return Position("r", ordinal, f"k{ordinal}", body or f"h{ordinal}", "upstream", delivered is not None, arrived,
-                    delivered)
+    return Position(run_id="r", ordinal=ordinal, call_key=f"k{ordinal}", body_hash=body or f"h{ordinal}",
+                    source="upstream", delivered=delivered is not None, arrived_at=arrived, delivered_at=delivered)
 
 
 # calls 0..3: 0 and 1 answered before t=10; 2 arrived at 9 and answered at 12 (in flight at 10); 3 after the thaw
@@ -46,7 +46,8 @@ def test_undelivered_error_keeps_the_low_cut_conservative() -> None:
 
 
 def test_rows_without_times_count_as_long_past() -> None:
-    old = [Position("r", 0, "k0", "h0", "upstream", True), Position("r", 1, "k1", "h1", "upstream", False)]
+    old = [Position(run_id="r", ordinal=0, call_key="k0", body_hash="h0", source="upstream", delivered=True),
+           Position(run_id="r", ordinal=1, call_key="k1", body_hash="h1", source="upstream", delivered=False)]
     assert low_cut(old, 0) == 1 and high_cut(old, 0) == 2
 
 

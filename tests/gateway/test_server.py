@@ -6,6 +6,7 @@ import anthropic
 import openai
 import pytest
 
+from keepstate.db.errors import DatabaseUnavailable
 from keepstate.testing import Fault
 
 from .conftest import Env
@@ -20,7 +21,7 @@ def clients(env: Env, token: str) -> tuple[openai.AsyncOpenAI, anthropic.AsyncAn
 
 
 async def test_sandbox_env_points_at_gateway(env: Env) -> None:
-    token = env.token()
+    token = await env.token()
     e = env.gateway.sandbox_env(token, env.url + "/")
     assert e == {"OPENAI_BASE_URL": env.url + "/v1", "OPENAI_API_KEY": token, "ANTHROPIC_BASE_URL": env.url,
                  "ANTHROPIC_API_KEY": token}
@@ -28,7 +29,7 @@ async def test_sandbox_env_points_at_gateway(env: Env) -> None:
 
 
 async def test_openai_chat_plain_and_stream(env: Env) -> None:
-    oa, _ = clients(env, env.token())
+    oa, _ = clients(env, await env.token())
     r = await oa.chat.completions.create(model="fake-gpt", messages=MSG)
     assert r.choices[0].message.content and r.usage is not None and r.usage.prompt_tokens == 7
     chunks = [c async for c in await oa.chat.completions.create(model="fake-gpt", messages=MSG, stream=True)]
@@ -39,28 +40,28 @@ async def test_openai_chat_plain_and_stream(env: Env) -> None:
     with_usage = [c async for c in await oa.chat.completions.create(
         model="fake-gpt", messages=MSG, stream=True, stream_options={"include_usage": True})]
     assert with_usage[-1].usage is not None and with_usage[-1].choices == []
-    entries = env.gateway.store.entries()
+    entries = await env.gateway.ledger.entries()
     assert [e["kind"] for e in entries] == ["upstream"] * 3
     assert all(e["output_tokens"] > 0 and e["input_tokens"] == 7 for e in entries)
     assert entries[1]["output_tokens"] == len(text.split())
 
 
 async def test_openai_responses_and_embeddings(env: Env) -> None:
-    oa, _ = clients(env, env.token())
+    oa, _ = clients(env, await env.token())
     r = await oa.responses.create(model="fake-gpt", input="hello world", reasoning={"effort": "low"})
     assert r.output_text and r.usage is not None and r.usage.output_tokens_details.reasoning_tokens == 5
     events = [e async for e in await oa.responses.create(model="fake-gpt", input="hello", stream=True)]
     assert events[-1].type == "response.completed"
     emb = await oa.embeddings.create(model="fake-embed", input=["a b c", "d"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 8
-    entries = env.gateway.store.entries()
+    entries = await env.gateway.ledger.entries()
     assert [e["endpoint"] for e in entries] == ["responses", "responses", "embeddings"]
     assert entries[0]["reasoning_tokens"] == 5 and entries[1]["output_tokens"] > 0
     assert entries[2]["input_tokens"] == 4 and entries[2]["output_tokens"] == 0
 
 
 async def test_anthropic_plain_and_stream_with_cache_tokens(env: Env) -> None:
-    _, an = clients(env, env.token())
+    _, an = clients(env, await env.token())
     system = [{"type": "text", "text": "one two three four five six", "cache_control": {"type": "ephemeral"}}]
     m = await an.messages.create(model="claude-fake-1", max_tokens=64, system=system, messages=MSG)
     assert m.content[0].text and m.usage.cache_read_input_tokens == 6
@@ -68,7 +69,7 @@ async def test_anthropic_plain_and_stream_with_cache_tokens(env: Env) -> None:
         text = "".join([t async for t in s.text_stream])
         final = await s.get_final_message()
     assert text and final.usage.output_tokens == len(text.split())
-    e1, e2 = env.gateway.store.entries()
+    e1, e2 = await env.gateway.ledger.entries()
     # Anthropic's input excludes cache reads; the ledger's input includes them.
     assert e1["input_tokens"] == m.usage.input_tokens + 6 and e1["cached_tokens"] == 6
     assert e1["cost_nano"] == round(((e1["input_tokens"] - 6) * 3.0 + 6 * 0.3 + e1["output_tokens"] * 15.0) * 1000)
@@ -76,7 +77,7 @@ async def test_anthropic_plain_and_stream_with_cache_tokens(env: Env) -> None:
 
 
 async def test_models_listing_in_both_shapes(env: Env) -> None:
-    oa, an = clients(env, env.token())
+    oa, an = clients(env, await env.token())
     env.config.providers[0] = env.config.providers[0].__class__(
         "fake-openai", "openai", env.fake.openai_base_url, "k", ("fake-gpt", "fake-*"))
     assert [m.id async for m in oa.models.list()] == ["fake-gpt"]
@@ -84,7 +85,7 @@ async def test_models_listing_in_both_shapes(env: Env) -> None:
 
 
 async def test_errors_have_provider_shapes(env: Env) -> None:
-    token = env.token()
+    token = await env.token()
     oa, an = clients(env, token)
     with pytest.raises(openai.NotFoundError) as nf:
         await oa.chat.completions.create(model="nope", messages=MSG)
@@ -106,7 +107,7 @@ async def test_errors_have_provider_shapes(env: Env) -> None:
 
 
 async def test_upstream_error_and_timeout(env: Env) -> None:
-    oa, an = clients(env, env.token())
+    oa, an = clients(env, await env.token())
     env.fake.inject(Fault(status=500))
     with pytest.raises(openai.InternalServerError):
         await oa.chat.completions.create(model="fake-gpt", messages=MSG)
@@ -118,7 +119,7 @@ async def test_upstream_error_and_timeout(env: Env) -> None:
     with pytest.raises(openai.APIStatusError) as t:
         await oa.chat.completions.create(model="fake-gpt", messages=[{"role": "user", "content": "slow"}])
     assert t.value.status_code == 504 and t.value.code == "upstream_timeout"
-    outcomes = [e["outcome"] for e in env.gateway.store.entries()]
+    outcomes = [e["outcome"] for e in await env.gateway.ledger.entries()]
     assert outcomes == ["error", "error", "timeout"]
     # A failed call is tried upstream again on the next request with its key.
     r = await oa.chat.completions.create(model="fake-gpt", messages=[{"role": "user", "content": "slow"}],
@@ -128,12 +129,28 @@ async def test_upstream_error_and_timeout(env: Env) -> None:
 
 
 async def test_mid_stream_failure_cuts_client_off(env: Env) -> None:
-    oa, _ = clients(env, env.token())
+    oa, _ = clients(env, await env.token())
     env.fake.inject(Fault(break_after=2))
     got: list[str] = []
     with pytest.raises(openai.APIError):
         async for c in await oa.chat.completions.create(model="fake-gpt", messages=MSG, stream=True):
             got.append(c.choices[0].delta.content or "")
     assert len([g for g in got if g]) == 2
-    (entry,) = env.gateway.store.entries()
+    (entry,) = await env.gateway.ledger.entries()
     assert entry["outcome"] == "broken" and env.fake.stats().calls == 0
+
+
+async def test_a_database_that_does_not_answer_is_a_retryable_503(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = await env.token()
+
+    async def down(*_: object) -> None:
+        raise DatabaseUnavailable("sqlite:///x: disk I/O error")
+
+    monkeypatch.setattr(env.gateway.ledger, "bound_run", down)
+    monkeypatch.setattr(env.gateway.ledger, "run_ended", down)
+    oa = openai.AsyncOpenAI(base_url=env.url + "/v1", api_key=token, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        await oa.chat.completions.create(model="fake-gpt", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503 and e.value.code == "database_unavailable"
+    assert e.value.response.headers["retry-after"] == "2" and e.value.response.headers["x-should-retry"] == "true"
+    assert env.fake.stats().requests == 0

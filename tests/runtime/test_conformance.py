@@ -209,10 +209,11 @@ def test_slots_are_claimed_once_and_record_their_owner(subject: Subject, tmp_pat
     slots = subject.runtime.slots
     n = subject.slot()
     assert not slots.claim(n)
-    slots.record_owner(n, str(tmp_path), "ks-conf-owner")
+    home = tmp_path / "home"  # not made yet: a data directory that is gone
+    slots.record_owner(n, str(home), "ks-conf-owner")
     assert slots.owner(n) == "ks-conf-owner"
-    assert (n, "ks-conf-owner") in slots.orphaned()  # its data directory has no catalog: nobody will adopt it
-    (tmp_path / "catalog.sqlite").touch()
+    assert (n, "ks-conf-owner") in slots.orphaned()  # its data directory is gone: nobody will adopt it
+    home.mkdir()  # a data directory that exists is alive, database file or not
     assert (n, "ks-conf-owner") not in slots.orphaned()
     slots.release(n)
     assert slots.owner(n) is None and slots.claim(n)
@@ -221,7 +222,7 @@ def test_slots_are_claimed_once_and_record_their_owner(subject: Subject, tmp_pat
 def test_inventory_lists_an_instance_until_it_is_destroyed_and_its_slot_released(subject: Subject,
                                                                                  tmp_path: Path) -> None:
     rt = subject.runtime
-    (tmp_path / "catalog.sqlite").touch()  # a live data directory: no server on this host takes it for an orphan
+    # tmp_path exists: a live data directory, so no server on this host takes its instances for orphans
     spec, slot = subject.spec(), subject.slot()
     rt.slots.record_owner(slot, str(tmp_path), spec.name)
     handle = rt.create(spec, slot)

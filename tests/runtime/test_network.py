@@ -80,10 +80,11 @@ def test_slot_claims_record_their_owner(tmp_path: Path, monkeypatch: pytest.Monk
     network.release_slot(7)
     assert network.slot_owner(7) is None
     assert network.claim_slot(7)
-    network.record_slot_owner(7, str(tmp_path), "ks-two")
+    home = tmp_path / "home"  # not made yet: a data directory that is gone
+    network.record_slot_owner(7, str(home), "ks-two")
     assert network.slot_owner(7) == "ks-two"
-    assert network.orphaned_slots() == [(7, "ks-two")]  # its data directory has no catalog: nobody will adopt it
-    (tmp_path / "catalog.sqlite").touch()
+    assert network.orphaned_slots() == [(7, "ks-two")]  # its data directory is gone: nobody will adopt it
+    home.mkdir()  # a data directory that exists is alive, database file or not
     assert network.orphaned_slots() == []
 
 

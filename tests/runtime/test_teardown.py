@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from keepstate.db.catalog import Catalog
+from keepstate.db.setup import prepare
+from keepstate.db.url import default_url
 from keepstate.runtime import cgroups
 from keepstate.runtime.base import Handle, Limits, RuntimeFailure, SandboxSpec, TemplateRoot
 from keepstate.runtime.gvisor import CGROUP_PARENT, GVisorRuntime
+from keepstate.sandbox.rows import SandboxRows
 from keepstate.sandbox.slots import Slots
 from keepstate.sandbox.teardowns import Teardowns
 from keepstate.testing import leftovers
@@ -50,7 +52,7 @@ def host(tmp_path: Path) -> Iterator[Host]:
 
     built = builder.latest("base")
     assert built is not None
-    (tmp_path / "catalog.sqlite").touch()  # a live data directory: no server on this host takes it for an orphan
+    # tmp_path exists: a live data directory, so no server on this host takes its instances for orphans
     runtime = GVisorRuntime(tmp_path / "sandboxes")
     runtime.prepare()
     h = Host(runtime, TemplateRoot(built.name, built.digest, built.rootfs), tmp_path,
@@ -122,11 +124,12 @@ class FailingOnce(GVisorRuntime):
 async def test_a_failed_teardown_is_retried_until_nothing_is_left(host: Host) -> None:
     handle = host.start()
     runtime = FailingOnce(host.runtime.state_dir)
-    catalog = Catalog(host.home / "catalog.sqlite")
-    teardowns = Teardowns(catalog, runtime, host.slots)
+    db = await prepare(default_url(host.home), host.home)
+    rows = SandboxRows(db)
+    teardowns = Teardowns(rows, runtime, host.slots)
     try:
         assert not await teardowns.run(handle.name, handle.slot)
-        [rec] = catalog.teardowns()
+        [rec] = await rows.teardowns()
         assert rec.attempts == 1 and "injected" in rec.last_error and teardowns.pending() == 1
         assert host.runtime.slots.owner(handle.slot) == handle.name  # its network is not gone: the slot stays held
         loop = asyncio.get_running_loop()
@@ -136,11 +139,11 @@ async def test_a_failed_teardown_is_retried_until_nothing_is_left(host: Host) ->
             await asyncio.sleep(0.05)
         # Released: no longer this sandbox's. (Not asserted free: slots are the host's, and another test's server
         # may claim it the moment it is released, as one did in a fresh-clone run.)
-        assert catalog.teardowns() == [] and host.runtime.slots.owner(handle.slot) != handle.name
+        assert await rows.teardowns() == [] and host.runtime.slots.owner(handle.slot) != handle.name
         assert leftovers(host.home) == []
     finally:
         await teardowns.stop()
-        catalog.close()
+        await db.close()
 
 
 def test_what_a_create_that_timed_out_leaves_is_torn_down(host: Host) -> None:

@@ -17,9 +17,13 @@ import pytest
 from aiohttp import web
 
 from keepstate.api.app import ServerConfig, create_app
-from keepstate.api.keys import CATALOG, MANAGER
+from keepstate.api.keys import DATABASE, MANAGER
+from keepstate.apikeys import issue
+from keepstate.db.repos import Keys
 from keepstate.runtime.base import Runtime
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.record import SandboxRow, TeardownRecord
+from keepstate.sandbox.rows import SandboxRows
 from keepstate.testing import FakeRuntime, FakeTemplates
 
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
@@ -62,6 +66,20 @@ class Served:
     def headers(self) -> dict[str, str]:
         return {"X-API-KEY": self.key}
 
+    @property
+    def stored(self) -> SandboxRows:
+        """The database's rows as another reader sees them: not the manager's own SandboxRows, whose reads would move
+        the versions it conditions its writes on."""
+        return SandboxRows(self.manager.db, self.manager.rows.node_id)
+
+    async def row(self, sandbox_id: str) -> SandboxRow | None:
+        """The sandbox's row in the database (None: it has none)."""
+        return await self.stored.get(sandbox_id)
+
+    async def teardowns(self) -> list[TeardownRecord]:
+        """The teardowns recorded in the database and not yet done."""
+        return await self.stored.teardowns()
+
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         async with self.http.request(method, self.url + path, json=body, headers=self.headers) as r:
             text = await r.text()
@@ -97,7 +115,7 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    key = key or app[CATALOG].create_key("tests")[1]
+    key = key or (await issue(Keys(app[DATABASE]), "tests"))[1]  # after startup: it migrates the database
     manager = app[MANAGER]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         try:

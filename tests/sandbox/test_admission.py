@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from keepstate.apikeys import find, issue
 from keepstate.errors import Busy, Unavailable
 from keepstate.sandbox.admission import AdmissionConfig, StartQueue
 from keepstate.sandbox.state import State
@@ -240,13 +241,13 @@ async def test_the_per_key_limit_admits_exactly_that_many_under_concurrency() ->
 
 async def test_a_keys_own_limit_wins_over_the_servers() -> None:
     async with serving("fake", pool_size=0, admission=AdmissionConfig(max_sandboxes_per_key=1)) as s:
-        key = s.manager.catalog.find_key(s.key)
+        key = await find(s.manager.keys, s.key)
         assert key is not None
-        s.manager.catalog.set_key_limit(key.id, 3)
+        assert await s.manager.keys.set_limit(key.id, 3)
         assert [(await create(s))[0] for _ in range(4)] == [201, 201, 201, 429]
-        s.manager.catalog.set_key_limit(key.id, 0)  # unlimited
+        assert await s.manager.keys.set_limit(key.id, 0)  # unlimited
         assert (await create(s))[0] == 201
-        other = s.manager.catalog.create_key("other")[1]
+        other = (await issue(s.manager.keys, "other"))[1]
         async with s.http.post(s.url + "/sandboxes", json={"templateID": "base"}, headers={"X-API-KEY": other}) as r:
             assert r.status == 201  # another key's count is its own
         async with s.http.post(s.url + "/sandboxes", json={"templateID": "base"}, headers={"X-API-KEY": other}) as r:

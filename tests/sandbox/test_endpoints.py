@@ -33,7 +33,7 @@ async def test_refresh_extends_a_running_sandbox_and_never_shortens_it(served: S
     assert (await s.call("POST", f"/sandboxes/{sid}/refreshes", {"duration": 10}))[0] == 204
     assert s.manager.records[sid].end_at == extended  # never shortened
     assert (await s.call("POST", f"/sandboxes/{sid}/refreshes"))[0] == 204  # no body: 15 s, here a no-op
-    assert s.manager.catalog.get_sandbox(sid).end_at == extended  # type: ignore[union-attr]
+    assert (await s.row(sid)).end_at == extended  # type: ignore[union-attr]
     for bad in ({"duration": 3601}, {"duration": -1}, {"duration": "60"}, {"duration": True}):
         assert "duration" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", bad), 400)
     assert "JSON object" in error_of(*await s.call("POST", f"/sandboxes/{sid}/refreshes", [1]), 400)
@@ -56,7 +56,7 @@ async def test_the_older_resume_resumes_only_a_paused_sandbox(served: Served) ->
     assert status == 201, body
     assert body["sandboxID"] == sid and body["envdAccessToken"] == token
     row = s.manager.records[sid]
-    assert row.settings.auto_pause and s.manager.catalog.get_sandbox(sid).settings.auto_pause  # type: ignore[union-attr]
+    assert row.settings.auto_pause and (await s.row(sid)).settings.auto_pause  # type: ignore[union-attr]
     assert time.time() + 100 < row.end_at <= time.time() + 121
     assert await read_file(s, sid, token, "/home/user/kept") == b"across the resume"
     error_of(*await s.call("POST", "/sandboxes/nosuchsandbox0000000/resume", {}), 404)

@@ -119,9 +119,11 @@ async def test_polls_neither_wake_a_frozen_sandbox_nor_count_as_activity() -> No
 
 async def test_a_sandbox_running_a_command_is_never_frozen() -> None:
     async with serving(freeze_idle_after=0.1) as s:
-        sid, token = await create(s)
+        s.manager.idle.after = 3600  # a new sandbox counts as active from its create: not frozen before its
+        sid, token = await create(s)  # command "starts" below, however slow the host
         agent = fake(s).agent(s.manager.records[sid].runtime_name)
         agent.busy = True
+        s.manager.idle.after = 0.1
         looks = agent.idle_looks
         await until(lambda: agent.idle_looks >= looks + 3, "the freezer to look at it thrice")
         assert not s.manager.idle.frozen(sid)

@@ -99,7 +99,7 @@ async def test_a_kill_during_a_pause_waits_for_it_then_kills(served: Served) -> 
     assert (await pause)[0] == 204 and kill[0] == 204
     await s.manager.instances.drain()
     assert (await s.call("GET", f"/sandboxes/{sid}"))[0] == 404
-    assert s.manager.catalog.get_sandbox(sid) is None and sid not in s.manager.records
+    assert await s.row(sid) is None and sid not in s.manager.records
     assert name not in fake(s).names()  # the instance (frozen as the pause's standby) is gone too
 
 
@@ -151,11 +151,11 @@ async def test_a_new_server_adopts_running_paused_and_half_paused_sandboxes() ->
         for sid, tok in ((running, tok_r), (paused, tok_p), (half, tok_h)):
             await write_file(first, sid, tok, "/home/user/id", sid.encode())
         assert (await first.call("POST", f"/sandboxes/{paused}/pause"))[0] == 204
-        # A pause that froze `half` and then died: the catalog says PAUSING, the instance is frozen.
+        # A pause that froze `half` and then died: the database says PAUSING, the instance is frozen.
         row = first.manager.records[half]
         runtime.freeze(handle_of(row))
         row.state = State.PAUSING
-        first.manager.catalog.put_sandbox(row)
+        await first.manager.rows.put(row)
         home, key = first.home, first.key
     async with serving(home=home, runtime=runtime, key=key, reap_on_exit=True) as second:
         for sid in (running, half):
@@ -256,8 +256,7 @@ async def test_a_new_server_reaps_instances_no_row_knows() -> None:
     spec = SandboxSpec("ks-stray", TemplateRoot("base", "sha256:fake-base", home), Limits())
     other = SandboxSpec("ks-elses", TemplateRoot("base", "sha256:fake-base", home), Limits())
     elsewhere = home.parent / (home.name + "-other-server")
-    elsewhere.mkdir()
-    (elsewhere / "catalog.sqlite").touch()  # a live server's data directory: its instances are not orphans
+    elsewhere.mkdir()  # a live server's data directory (it exists): its instances are not orphans
     for s, owner_home in ((spec, str(home)), (other, str(elsewhere))):
         slot = next(n for n in range(100, 200) if runtime.slots.claim(n))
         runtime.slots.record_owner(slot, owner_home, s.name)

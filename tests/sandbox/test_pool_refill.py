@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from keepstate.db.catalog import SandboxRow
 from keepstate.sandbox.pool import QUIET_S, Pool
+from keepstate.sandbox.record import SandboxRow
 
 
 def _rows(n: int) -> list[SandboxRow]:

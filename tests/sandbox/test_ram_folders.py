@@ -10,8 +10,7 @@ from keepstate.sandbox.durable import HOME_MARK, sweep_ram_folders
 def test_folders_of_deleted_data_directories_are_swept(tmp_path: Path) -> None:
     root = tmp_path / "shm"
     live_home, dead_home = tmp_path / "live", tmp_path / "dead"
-    live_home.mkdir()
-    (live_home / "catalog.sqlite").touch()
+    live_home.mkdir()  # a data directory that exists is alive (an empty one too); `dead_home` never existed
     folders = {}
     for name, home in (("keepstate-live", live_home), ("keepstate-dead", dead_home)):
         folder = root / name

@@ -4,8 +4,9 @@ on their own threads, a failed one is retried, and one a server could not finish
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from keepstate.testing import FakeRuntime, leftovers
 
@@ -13,11 +14,16 @@ from .conftest import Served, serving
 from .test_lifecycle import create
 
 
-async def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Wait (bounded) until `check()` holds."""
+async def until(check: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0) -> None:
+    """Wait (bounded) until `check()` holds (awaited when it is a coroutine function's)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not check():
+    while True:
+        held = check()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
 
@@ -34,13 +40,15 @@ async def test_kill_answers_before_the_teardown_ends() -> None:
         sid, _ = await create(s)
         name = s.manager.records[sid].runtime_name
         gate = runtime.gates["destroy"] = threading.Event()  # every destroy waits until the test lets it go
-        assert (await s.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
-        assert (await s.call("GET", f"/sandboxes/{sid}"))[0] == 404
-        assert (await health(s))["teardowns"] == 1 and name in runtime.names()  # answered; not torn down yet
-        assert [r.runtime_name for r in s.manager.catalog.teardowns()] == [name]
-        gate.set()
+        try:
+            assert (await s.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
+            assert (await s.call("GET", f"/sandboxes/{sid}"))[0] == 404
+            assert (await health(s))["teardowns"] == 1 and name in runtime.names()  # answered; not torn down yet
+            assert [r.runtime_name for r in await s.teardowns()] == [name]
+        finally:
+            gate.set()  # else a failed assertion leaves the server's stop waiting on the destroy until the timeout
         await until(lambda: s.manager.instances.teardowns.pending() == 0)
-        assert (await health(s))["teardowns"] == 0 and s.manager.catalog.teardowns() == []
+        assert (await health(s))["teardowns"] == 0 and await s.teardowns() == []
         assert leftovers(s.home, runtime) == []
     runtime.close()
 
@@ -72,12 +80,16 @@ async def test_a_failed_teardown_is_retried_until_it_finishes() -> None:
         row = s.manager.records[sid]
         runtime.fail("destroy", times=2)
         assert (await s.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
-        await until(lambda: bool(s.manager.catalog.teardowns()) and s.manager.catalog.teardowns()[0].attempts >= 1)
-        rec = s.manager.catalog.teardowns()[0]
+        async def failed_once() -> bool:
+            recorded = await s.teardowns()
+            return bool(recorded) and recorded[0].attempts >= 1
+
+        await until(failed_once)
+        rec = (await s.teardowns())[0]
         assert rec.runtime_name == row.runtime_name and rec.slot == row.slot and "injected" in rec.last_error
         assert runtime.slots.owner(row.slot) == row.runtime_name  # held until its network is gone
         await until(lambda: s.manager.instances.teardowns.pending() == 0)
-        assert runtime.calls["destroy"] == 3 and s.manager.catalog.teardowns() == []
+        assert runtime.calls["destroy"] == 3 and await s.teardowns() == []
         assert runtime.slots.owner(row.slot) is None and leftovers(s.home, runtime) == []
     runtime.close()
 
@@ -90,14 +102,17 @@ async def test_a_server_started_again_finishes_the_teardowns_of_the_last() -> No
         runtime.fail("destroy", times=1000)  # this server never manages
         for sid in sids:
             assert (await first.call("DELETE", f"/sandboxes/{sid}"))[0] == 204
-        await until(lambda: all(r.attempts >= 1 for r in first.manager.catalog.teardowns())
-                    and len(first.manager.catalog.teardowns()) == 3)
+        async def all_failed_once() -> bool:
+            recorded = await first.teardowns()
+            return len(recorded) == 3 and all(r.attempts >= 1 for r in recorded)
+
+        await until(all_failed_once)
         assert (await health(first))["teardowns"] == 3
         home, key = first.home, first.key
     assert sorted(lo.name for lo in leftovers(home, runtime) if lo.kind == "container") == names
     runtime.heal("destroy")
     async with serving(home=home, runtime=runtime, key=key, pool_size=0) as second:
         await until(lambda: second.manager.instances.teardowns.pending() == 0)
-        assert second.manager.catalog.teardowns() == [] and (await health(second))["teardowns"] == 0
+        assert await second.teardowns() == [] and (await health(second))["teardowns"] == 0
         assert leftovers(home, runtime) == []
     runtime.close()

@@ -1,6 +1,6 @@
 """A template build that fails after it took a layer publishes nothing, and leaves no checkpoint of its own in
 the store (docs/design/template-builds.md, "Publish"); a ready command that never succeeds names its timeout.
-Real gVisor, in this process, so the test can look at the catalog and the store."""
+Real gVisor, in this process, so the test can look at the database and the store."""
 
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ import asyncio
 import time
 
 import pytest
+import sqlalchemy as sa
 
-from .conftest import serving
+from keepstate.db.schema import template_layers
+
+from .conftest import Served, serving
+
+
+async def layers(served: Served) -> int:
+    """How many step-cache layers the server's database holds."""
+    async with served.manager.db.read() as conn:
+        return int((await conn.execute(sa.select(sa.func.count()).select_from(template_layers))).scalar_one())
 
 
 @pytest.mark.timeout(300)
@@ -37,7 +46,7 @@ async def test_a_ready_command_that_never_succeeds_fails_the_build_and_publishes
         messages = [e["message"] for e in build["logEntries"]]
         assert any(m.startswith("layer cached") for m in messages), messages  # it had taken a layer
         # Nothing published, nothing of its own left: no layer, no checkpoint, no build sandbox.
-        assert served.manager.catalog._q("SELECT COUNT(*) FROM template_layers")[0][0] == 0
+        assert await layers(served) == 0
         assert set(await asyncio.to_thread(repo.ref_ids)) == before
         status, err = await served.call("POST", "/v2/sandboxes", {"templateID": "never-ready", "timeout": 30})
         assert status == 404, err
@@ -65,6 +74,6 @@ async def test_deleting_a_template_deletes_its_snapshot_and_keeps_the_step_cache
         assert status == 204
         left = set(await asyncio.to_thread(repo.ref_ids)) - before
         assert len(left) == 1 and left < taken  # the layer stays for the step cache
-        assert served.manager.catalog._q("SELECT COUNT(*) FROM template_layers")[0][0] == 1
+        assert await layers(served) == 1
         status, _ = await served.call("POST", "/v2/sandboxes", {"templateID": "short-lived", "timeout": 30})
         assert status == 404

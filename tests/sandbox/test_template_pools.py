@@ -26,14 +26,18 @@ async def snapshot_with(s: Served, content: bytes) -> dict[str, Any]:
     await bounded(write_file(s, sid, token, "/home/user/built", content))
     status, snap = await bounded(s.call("POST", f"/sandboxes/{sid}/snapshots", {}))
     assert status == 201, snap
-    row = s.manager.catalog.get_snapshot(snap["snapshotID"])
+    row = await s.stored.find_snapshot(snap["snapshotID"])
     assert row is not None
     return dict(row)
 
 
 def name_template(s: Served, snaps: dict[str, dict[str, Any]]) -> None:
     """`Sandbox.create("tpl")` resolves to snaps["tpl"], as a built template (one with a pool)."""
-    s.manager.template_resolver = lambda ref: {**snaps[ref], "pool": ref} if ref in snaps else None
+
+    async def resolve(ref: str) -> dict[str, Any] | None:
+        return {**snaps[ref], "pool": ref} if ref in snaps else None
+
+    s.manager.template_resolver = resolve
 
 
 async def create_from(s: Served, ref: str, **body: Any) -> tuple[str, str]:
@@ -69,7 +73,7 @@ async def test_a_create_claims_a_restore_of_the_template_made_ahead_of_it() -> N
         row = s.manager.records[sid]
         assert row.state == State.RUNNING and row.settings.metadata == {"who": "claimed"}
         assert row.settings.env_vars.get("MINE") == "yes"
-        assert s.manager.catalog.get_sandbox(sid) is not None
+        assert await s.row(sid) is not None
         assert await bounded(read_file(s, sid, token, "/home/user/built")) == b"from the template"
         status, info = await bounded(s.call("GET", f"/sandboxes/{sid}"))
         assert status == 200 and info["metadata"] == {"who": "claimed"}, info

@@ -1,15 +1,12 @@
 """E2B's template build protocol up to the build itself, on the fake runtime (no step runs here: builds run on
-gVisor in tests/sdk/test_template_build.py): requests, signed uploads, clear errors, the catalog's version 4."""
+gVisor in tests/sdk/test_template_build.py): requests, signed uploads, clear errors. (A version 3 catalog.sqlite,
+from before the template tables, imported into the database: tests/db/test_legacy_catalog.py.)"""
 
 from __future__ import annotations
 
 import gzip
 import io
-import sqlite3
 import tarfile
-from pathlib import Path
-
-from keepstate.db.catalog import SCHEMA, SCHEMA_VERSION, Catalog
 
 from .conftest import Served
 
@@ -82,15 +79,3 @@ async def test_names_tags_and_deletes(served: Served) -> None:
     status, _ = await served.call("GET", "/templates/aliases/team%2Ftool")
     assert status == 404
 
-
-def test_a_version_3_catalog_gains_the_template_tables(tmp_path: Path) -> None:
-    path = tmp_path / "catalog.sqlite"
-    old = sqlite3.connect(path)
-    old.executescript(SCHEMA)
-    old.execute("INSERT INTO meta (k,v) VALUES ('schema_version','3')")
-    old.commit()
-    old.close()
-    cat = Catalog(path)
-    assert cat.get_meta("schema_version") == str(SCHEMA_VERSION) == "4"
-    cat.put_layer("k", "ckpt", {"user": "root"})
-    assert cat.get_layer("k") == ("ckpt", {"user": "root"})

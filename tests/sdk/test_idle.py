@@ -2,7 +2,7 @@
 cgroup is frozen and uses no CPU at all, and whatever the SDK sends it next works as if it had never been frozen.
 
 The server under test freezes after its default `--freeze-idle-after`. What the host sees (the sandbox's freezer
-state and CPU time) is read from its cgroups, found by the runtime name the server's catalog records for it.
+state and CPU time) is read from its cgroups, found by the runtime name the server's database records for it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FREEZE_WAIT = 60.0  # seconds to wait for a freeze (the default is about 3 s aft
 def runtime_name(server: Server, sandbox_id: str) -> str:
     if not server.home:
         pytest.fail("the server's data directory is unknown (KEEPSTATE_TEST_HOME): its cgroups cannot be found")
-    db = sqlite3.connect(f"file:{server.home}/catalog.sqlite?mode=ro", uri=True, timeout=10)
+    db = sqlite3.connect(f"file:{server.home}/keepstate.sqlite?mode=ro", uri=True, timeout=10)
     try:
         row = db.execute("SELECT runtime_name FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)).fetchone()
     finally:

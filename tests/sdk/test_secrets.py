@@ -215,7 +215,7 @@ def test_a_restart_keeps_the_secrets(own: dict[str, Any]) -> None:
 def test_no_value_in_the_log_or_in_plain_text_on_disk(own: dict[str, Any]) -> None:
     """Last in the module: every value it made, against every file of the data directory (the log included)."""
     home = Path(own["home"])
-    assert VALUES and (home / "server.log").stat().st_size > 0 and (home / "catalog.sqlite").exists()
+    assert VALUES and (home / "server.log").stat().st_size > 0 and (home / "keepstate.sqlite").exists()
     checked = 0
     for path in home.rglob("*"):
         if not path.is_file() or path.is_symlink() or path.stat().st_size > 256 << 20:

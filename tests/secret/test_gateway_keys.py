@@ -119,8 +119,11 @@ def test_provider_keys_never_enter_a_sandbox(server: Server, fake: FakeProvider)
         assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
     finally:
         sbx.kill()
-    # On the host: the keys are not in the server's log, the catalog, or the gateway's ledger.
+    # On the host: the keys are not in the server's log nor in its database (the gateway's ledger included): every
+    # SQLite file of its data directory, keepstate.sqlite and its WAL (and any file of a release before it).
     home = Path(server.home)
-    for path in [home / "server.log", *home.glob("catalog.sqlite*"), *home.glob("gateway.sqlite*")]:
+    files = sorted(home.glob("*.sqlite*"))
+    assert os.environ.get("KEEPSTATE_DB") or home / "keepstate.sqlite" in files, files
+    for path in [home / "server.log", *files]:
         data = path.read_bytes()
         assert INLINE_KEY.encode() not in data and ENV_KEY.encode() not in data, path

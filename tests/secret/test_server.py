@@ -4,6 +4,7 @@ the key or a value in what it says. Real servers (no sandboxes: none is needed),
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import signal
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 from e2b import Secret
 
-from keepstate.db.catalog import Catalog
+from keepstate.db.engine import Database
+from keepstate.db.setup import db_url
 from keepstate.secret import SecretStore
 from keepstate.secret.crypto import ENV_VAR
 from tests.sdk.sdkharness import Server, make_key, start_server
@@ -58,6 +60,21 @@ def opts(srv: Server) -> dict[str, str]:
     return {"api_key": srv.key, "api_url": srv.url}
 
 
+def stored_value(home: str, key_file: Path, name: str) -> str | None:
+    """The value the server's database holds for `name`, opened with `key_file` (a store of this process's own)."""
+
+    async def main() -> str | None:
+        db = await Database.open(db_url(Path(home)))
+        try:
+            store = SecretStore.open(db, key_file)
+            await store.check_key()
+            return await store.value(name)
+        finally:
+            await db.close()
+
+    return asyncio.run(main())
+
+
 def test_values_survive_a_restart_and_still_decrypt(servers: list[Server]) -> None:
     home = tempfile.mkdtemp(prefix="keepstate-secret-restart-")
     srv = start(servers, home)
@@ -71,8 +88,7 @@ def test_values_survive_a_restart_and_still_decrypt(servers: list[Server]) -> No
     assert (info.secret_id, info.version, info.metadata) == (made.secret_id, 2, {"a": "b"})
     stop(srv)
     # What the egress proxy will read: the current version's value, decrypted on the host.
-    store = SecretStore.open(Catalog(Path(home) / "catalog.sqlite"), key_file)
-    assert store.value("kept") == "value-two"
+    assert stored_value(home, key_file, "kept") == "value-two"
 
 
 def test_the_key_from_a_file_option_or_the_environment(servers: list[Server], tmp_path: Path,
@@ -83,7 +99,7 @@ def test_the_key_from_a_file_option_or_the_environment(servers: list[Server], tm
     Secret.create("in-file", "file-value", **opts(srv))
     stop(srv)
     assert key_file.exists() and not (Path(home) / "secrets.key").exists()
-    assert SecretStore.open(Catalog(Path(home) / "catalog.sqlite"), key_file).value("in-file") == "file-value"
+    assert stored_value(home, key_file, "in-file") == "file-value"
 
     env_home = tempfile.mkdtemp(prefix="keepstate-secret-envkey-")
     key = os.urandom(32)
@@ -94,8 +110,7 @@ def test_the_key_from_a_file_option_or_the_environment(servers: list[Server], tm
     assert not (Path(env_home) / "secrets.key").exists()  # the environment's key: no file made
     (tmp_path / "env.key").write_bytes(key)
     monkeypatch.delenv(ENV_VAR)
-    assert SecretStore.open(Catalog(Path(env_home) / "catalog.sqlite"), tmp_path / "env.key").value("in-env") == \
-        "env-value"
+    assert stored_value(env_home, tmp_path / "env.key", "in-env") == "env-value"
 
 
 def test_a_server_given_another_key_refuses_to_start(servers: list[Server], monkeypatch: pytest.MonkeyPatch) -> None:

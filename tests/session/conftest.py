@@ -1,11 +1,12 @@
-"""Fixtures for the session tests: an event log on a temporary SQLite file, golden histories, a local executor."""
+"""Fixtures for the session tests: an event log on a new database (SQLite and PostgreSQL), golden histories, a local
+executor."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,32 +14,22 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from keepstate.session import Event, EventLog, Lineage, SessionDB
+from keepstate.db.engine import Database
+from keepstate.session import Event, EventLog, Lineage
+from keepstate.testing.databases import database, db_url, postgres  # noqa: F401
 
 GOLDEN = Path(__file__).parent / "golden"
 SANDBOX_HOME = "/home/user"
 
 
 @pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "sessions.sqlite"
+def log(database: Database) -> EventLog:  # noqa: F811
+    return EventLog(database)
 
 
 @pytest.fixture
-def db(db_path: Path) -> Iterator[SessionDB]:
-    d = SessionDB(db_path)
-    yield d
-    d.close()
-
-
-@pytest.fixture
-def log(db: SessionDB) -> EventLog:
-    return EventLog(db)
-
-
-@pytest.fixture
-def lineage(db: SessionDB) -> Lineage:
-    return Lineage(db)
+def lineage(log: EventLog) -> Lineage:
+    return Lineage(log.history)
 
 
 def load_golden(name: str) -> list[Event]:

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import AsyncIterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 
 from keepstate.api import events as events_api
 from keepstate.api.control import error_response
+from keepstate.db.engine import Database
 from keepstate.errors import KeepStateError
-from keepstate.session import EventLog, EventRef, Lineage, SessionDB
+from keepstate.session import EventLog, EventRef, Lineage
 
 
 @web.middleware
-async def render_errors(request: web.Request, handler):  # type: ignore[no-untyped-def]
+async def render_errors(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
     except KeepStateError as exc:  # as the server's dispatch middleware does
@@ -25,15 +26,13 @@ async def render_errors(request: web.Request, handler):  # type: ignore[no-untyp
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
-    path = tmp_path / "sessions.sqlite"
-    db = SessionDB(path)
-    log, lineage = EventLog(db), Lineage(db)
+async def server(database: Database) -> AsyncIterator[tuple[str, Database]]:
+    log, lineage = EventLog(database), Lineage(database)
     for i in range(5):
-        log.append("isbx", "step", {"i": i})
-    cp = log.append("isbx", "checkpoint", {"checkpoint_id": "c1"})
-    lineage.record_session("isbx", "base")
-    lineage.record_checkpoint("c1", "isbx", None, "snapshot", EventRef(cp.seq, cp.hash))
+        await log.append("isbx", "step", {"i": i})
+    cp = await log.append("isbx", "checkpoint", {"checkpoint_id": "c1"})
+    await lineage.record_session("isbx", "base")
+    await lineage.record_checkpoint("c1", "isbx", None, "snapshot", EventRef(cp.seq, cp.hash))
     app = web.Application(middlewares=[render_errors])
     app[events_api.EVENTS], app[events_api.LINEAGE] = log, lineage
     app.add_routes(events_api.routes)
@@ -41,13 +40,12 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", path
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", database
     await runner.cleanup()
-    db.close()
 
 
-async def test_events_paging_and_verify(server: tuple[str, Path]) -> None:
-    url, path = server
+async def test_events_paging_and_verify(server: tuple[str, Database]) -> None:
+    url, database = server
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/sandboxes/isbx/events", params={"after": "2", "limit": "2"}) as r:
             body = await r.json()
@@ -57,15 +55,13 @@ async def test_events_paging_and_verify(server: tuple[str, Path]) -> None:
             body = await r.json()
         assert body["verified"] == {"ok": True, "checked": 6, "first_bad_seq": None, "reason": None}
         assert len(body["events"]) == 6
-        con = sqlite3.connect(path)
-        con.execute("UPDATE events SET ts=ts+1 WHERE session_id='isbx' AND seq=4")
-        con.commit()
-        con.close()
+        async with database.transaction() as conn:  # an edit behind the server's back
+            await conn.execute(sa.text("UPDATE events SET ts=ts+1 WHERE session_id='isbx' AND seq=4"))
         async with http.get(f"{url}/sandboxes/isbx/events?verify=true") as r:
             assert (await r.json())["verified"]["first_bad_seq"] == 4
 
 
-async def test_errors_are_json(server: tuple[str, Path]) -> None:
+async def test_errors_are_json(server: tuple[str, Database]) -> None:
     url, _ = server
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/sandboxes/nobody/events") as r:
@@ -76,7 +72,7 @@ async def test_errors_are_json(server: tuple[str, Path]) -> None:
             assert r.status == 404
 
 
-async def test_lineage(server: tuple[str, Path]) -> None:
+async def test_lineage(server: tuple[str, Database]) -> None:
     url, _ = server
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/sandboxes/isbx/lineage") as r:

@@ -20,13 +20,13 @@ async def test_pull_appends_entries_in_pages_with_agent_seq(agent: tuple[FakeJou
         cursor = await pull_journal(log, "s1", url, TOKEN, 0, http, page=2)
         assert cursor == 3
         assert [r["after"] for r in journal.requests] == ["0", "2"]
-        events = log.read("s1")
+        events = await log.read("s1")
         assert [e.kind for e in events] == ["process.start", "process.exit", "file.write"]
         assert events[0].data["agent_seq"] == 1 and events[0].data["agent_ts"] == 1001.0
         assert events[0].data["pid"] == 7
         assert await pull_journal(log, "s1", url, TOKEN, cursor, http) == 3  # nothing new, nothing appended
-        assert len(log.read("s1")) == 3 and log.journal_cursor("s1") == 3
-        assert log.verify("s1").ok
+        assert len(await log.read("s1")) == 3 and await log.journal_cursor("s1") == 3
+        assert (await log.verify("s1")).ok
 
 
 async def test_gap_is_recorded_when_entries_were_dropped(agent: tuple[FakeJournal, str], log: EventLog) -> None:
@@ -36,7 +36,7 @@ async def test_gap_is_recorded_when_entries_were_dropped(agent: tuple[FakeJourna
     journal.drop_oldest(3)
     async with aiohttp.ClientSession() as http:
         assert await pull_journal(log, "s1", url, TOKEN, 0, http) == 5
-    events = log.read("s1")
+    events = await log.read("s1")
     assert events[0].kind == "journal.gap" and events[0].data == {"after": 0, "oldest": 4, "lost": 3}
     assert [e.data.get("agent_seq") for e in events[1:]] == [4, 5]
 
@@ -49,7 +49,7 @@ async def test_a_stale_puller_appends_nothing(agent: tuple[FakeJournal, str], lo
         journal.add("dir.make", path="/b")
         # a second puller that still believes the cursor is 0 must not append /a again
         assert await pull_journal(log, "s1", url, TOKEN, 0, http) == 1
-        assert [e.data["path"] for e in log.read("s1")] == ["/a"]
+        assert [e.data["path"] for e in await log.read("s1")] == ["/a"]
 
 
 async def test_errors_are_journal_errors(agent: tuple[FakeJournal, str], log: EventLog) -> None:
@@ -63,24 +63,24 @@ async def test_poller_pulls_on_demand_and_in_the_background(agent: tuple[FakeJou
     journal, url = agent
     poller = JournalPoller(log, interval=0.05)
     journal.add("process.start", pid=1, cmd="true", args=[])
-    poller.track("s1", url, TOKEN)
+    await poller.track("s1", url, TOKEN)
     assert await poller.pull_now("s1") == 1
     await poller.start()
     journal.add("process.exit", pid=1, exitCode=0, status="exit status 0")
     for _ in range(200):  # bounded wait for the background round, not a timing assertion
-        if len(log.read("s1")) == 2:
+        if len(await log.read("s1")) == 2:
             break
         await asyncio.sleep(0.02)
-    assert [e.kind for e in log.read("s1")] == ["process.start", "process.exit"]
+    assert [e.kind for e in await log.read("s1")] == ["process.start", "process.exit"]
     journal.fail = True
     await poller.poll_once()  # a failing agent is logged and backed off, not raised
     poller.untrack("s1")
     assert poller.tracked() == []
     # on resume from a checkpoint the cursor goes back to the checkpoint's
     journal.fail = False
-    poller.track("s1", url, TOKEN, cursor=1)
+    await poller.track("s1", url, TOKEN, cursor=1)
     assert await poller.pull_now("s1") == 2
-    assert [e.kind for e in log.read("s1")] == ["process.start", "process.exit", "process.exit"]
+    assert [e.kind for e in await log.read("s1")] == ["process.start", "process.exit", "process.exit"]
     await poller.stop()
 
 
@@ -93,7 +93,7 @@ async def test_a_restarted_agent_journal_is_read_from_its_start(agent: tuple[Fak
         journal.entries.clear()  # the agent restarted: a new, empty journal
         journal.add("dir.make", path="/new")
         assert await pull_journal(log, "s1", url, TOKEN, 3, http) == 1
-    events = log.read("s1")
+    events = await log.read("s1")
     assert [e.kind for e in events[3:]] == ["journal.reset", "dir.make"]
     assert events[3].data == {"cursor": 3, "last": 1} and events[4].data["path"] == "/new"
 
@@ -103,7 +103,7 @@ async def test_no_pull_runs_while_a_session_is_held(agent: tuple[FakeJournal, st
     journal, url = agent
     poller = JournalPoller(log, interval=0.01)
     journal.add("process.start", pid=1, cmd="true", args=[])
-    poller.track("s1", url, TOKEN)
+    await poller.track("s1", url, TOKEN)
     await poller.start()
     try:
         async with poller.hold("s1"):

@@ -1,17 +1,19 @@
-"""The volume store (keepstate/volume/store.py) on both backends, with a real catalog."""
+"""The volume store (keepstate/volume/store.py) on both backends, with a real database (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
-import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from keepstate.db.catalog import Catalog
+from keepstate.db.engine import Database
 from keepstate.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, Refused, Unauthorized
+from keepstate.testing.databases import database, db_url, postgres  # noqa: F401
 from keepstate.volume import Volumes
 
 needs_loop = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.ext4") or
@@ -19,47 +21,46 @@ needs_loop = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.ext4
 
 
 @pytest.fixture(params=["dir", pytest.param("ext4", marks=needs_loop)])
-def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
-    cat = Catalog(tmp_path / "catalog.sqlite")
-    vols = Volumes(tmp_path, cat, request.param, default_size_mb=16)
+async def store(request: pytest.FixtureRequest, tmp_path: Path,
+                database: Database) -> AsyncIterator[Volumes]:  # noqa: F811
+    vols = Volumes(tmp_path, database, request.param, default_size_mb=16)
     yield vols
-    vols.unmount_all()
-    cat.close()
+    await vols.unmount_all()
 
 
-def test_create_authorize_and_destroy(store: Volumes) -> None:
-    vol = store.create(*store.check_new("data", None))
+async def test_create_authorize_and_destroy(store: Volumes) -> None:
+    vol = await store.create(*store.check_new("data", None))
     assert vol.size_mb == 16 and vol.token.startswith("vol_") and vol.volume_id.startswith("vol")
-    assert store.get(vol.volume_id) == vol and [v.name for v in store.list()] == ["data"]
+    assert await store.get(vol.volume_id) == vol and [v.name for v in await store.list()] == ["data"]
     data = store.data(vol.volume_id)
     assert data.is_dir() and sorted(os.listdir(data)) == [] and data.stat().st_uid == 1000
-    assert store.authorize(vol.volume_id, f"Bearer {vol.token}") == vol
+    assert await store.authorize(vol.volume_id, f"Bearer {vol.token}") == vol
     for header, why in ((None, "missing"), ("Bearer ", "missing"), (vol.token, "missing"),
                         ("Bearer vol_wrong", "invalid")):
         with pytest.raises(Unauthorized, match=why):
-            store.authorize(vol.volume_id, header)
-    other = store.create("other", 16)
+            await store.authorize(vol.volume_id, header)
+    other = await store.create("other", 16)
     with pytest.raises(Unauthorized):
-        store.authorize(other.volume_id, f"Bearer {vol.token}")  # a token opens its own volume only
+        await store.authorize(other.volume_id, f"Bearer {vol.token}")  # a token opens its own volume only
     with pytest.raises(NotFound):
-        store.authorize("volnope", f"Bearer {vol.token}")
+        await store.authorize("volnope", f"Bearer {vol.token}")
     with pytest.raises(Conflict, match="exists"):
-        store.create("data", 16)
+        await store.create("data", 16)
     with pytest.raises(Conflict, match="sandbox sbx1"):
-        store.forget(vol.volume_id, ["sbx1"])
-    with store.pinned(["data"]):
+        await store.forget(vol.volume_id, lambda: ["sbx1"])
+    async with store.pinned(["data"]):
         with pytest.raises(Conflict, match="starting"):
-            store.forget(vol.volume_id, [])
-    store.forget(vol.volume_id, [])
+            await store.forget(vol.volume_id, lambda: [])
+    await store.forget(vol.volume_id, lambda: [])
     store.remove(vol.volume_id)
     assert not store.dir(vol.volume_id).exists()
     with pytest.raises(NotFound):
-        store.get(vol.volume_id)
+        await store.get(vol.volume_id)
     with pytest.raises(BadRequest, match="not found"):
-        with store.pinned(["data"]):
+        async with store.pinned(["data"]):
             pass
     with pytest.raises(Refused, match="no longer exists"):
-        store.source(vol.volume_id, "data")
+        await store.source(vol.volume_id, "data")
 
 
 def test_names_and_sizes_are_checked(store: Volumes) -> None:
@@ -72,42 +73,56 @@ def test_names_and_sizes_are_checked(store: Volumes) -> None:
     assert store.check_new("A.b_c-1", 32) == ("A.b_c-1", 32)
 
 
-def test_two_creates_of_one_name_race_and_one_wins(store: Volumes) -> None:
-    results: list[object] = []
-
-    def create() -> None:
+async def test_two_creates_of_one_name_race_and_one_wins(store: Volumes) -> None:
+    async def create() -> object:
         try:
-            results.append(store.create("same", 16))
+            return await store.create("same", 16)
         except Conflict as exc:
-            results.append(exc)
+            return exc
 
-    threads = [threading.Thread(target=create) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = await asyncio.gather(*(create() for _ in range(4)))
     made = [r for r in results if not isinstance(r, Conflict)]
     assert len(made) == 1 and len(results) == 4
-    assert [v.name for v in store.list()] == ["same"]
-    assert sorted(os.listdir(store.base)) == [store.list()[0].volume_id]  # the losers left nothing on disk
+    assert [v.name for v in await store.list()] == ["same"]
+    assert sorted(os.listdir(store.base)) == [(await store.list())[0].volume_id]  # the losers left nothing on disk
 
 
-def test_restart_mounts_again_and_sweeps_leftovers(store: Volumes) -> None:
-    vol = store.create("keep", 16)
+async def test_two_servers_creating_one_name_one_wins(store: Volumes, database: Database) -> None:  # noqa: F811
+    """The same race between two processes on one database: the name's uniqueness is the database's (a store's
+    own look-up first does not see the other's create)."""
+    other_db = await Database.open(database.url)
+    try:
+        other = Volumes(store.base.parent, other_db, store.backend, default_size_mb=16)
+        results = await asyncio.gather(*(s.create("same", 16) for s in (store, other, store, other)),
+                                       return_exceptions=True)
+        assert sum(not isinstance(r, BaseException) for r in results) == 1
+        assert all(isinstance(r, Conflict) for r in results if isinstance(r, BaseException)), results
+        assert [v.name for v in await other.list()] == ["same"]
+        assert sorted(os.listdir(store.base)) == [(await store.list())[0].volume_id]
+    finally:
+        await other_db.close()
+
+
+async def test_restart_mounts_again_and_sweeps_leftovers(store: Volumes, database: Database) -> None:  # noqa: F811
+    vol = await store.create("keep", 16)
     (store.data(vol.volume_id) / "f").write_text("kept")
-    (store.base / "volhalfmade").mkdir()  # a create that crashed before its catalog row
-    store.unmount_all()
-    again = Volumes(store.base.parent, store.catalog, store.backend)
-    again.mount_all()
-    assert (again.data(vol.volume_id) / "f").read_text() == "kept"
-    assert not (store.base / "volhalfmade").exists()
+    (store.base / "volhalfmade").mkdir()  # a create that crashed before its database row
+    await store.unmount_all()
+    again_db = await Database.open(database.url)  # what the server has after a restart
+    try:
+        again = Volumes(store.base.parent, again_db, store.backend)
+        await again.mount_all()
+        assert (again.data(vol.volume_id) / "f").read_text() == "kept"
+        assert not (store.base / "volhalfmade").exists()
+        assert await again.get(vol.volume_id) == vol
+    finally:
+        await again_db.close()
 
 
 @needs_loop
-def test_the_ext4_quota_is_a_full_disk_for_everyone(tmp_path: Path) -> None:
-    cat = Catalog(tmp_path / "catalog.sqlite")
-    store = Volumes(tmp_path, cat, "ext4")
-    vol = store.create("small", 16)
+async def test_the_ext4_quota_is_a_full_disk_for_everyone(tmp_path: Path, database: Database) -> None:  # noqa: F811
+    store = Volumes(tmp_path, database, "ext4")
+    vol = await store.create("small", 16)
     try:
         fs = store.dir(vol.volume_id) / "fs"
         assert os.path.ismount(fs)
@@ -122,9 +137,8 @@ def test_the_ext4_quota_is_a_full_disk_for_everyone(tmp_path: Path) -> None:
             for _ in range(64):
                 up.write(b"x" * (256 << 10))
         up.abort()
-        store.forget(vol.volume_id, [])
+        await store.forget(vol.volume_id, lambda: [])
         store.remove(vol.volume_id)
         assert not os.path.ismount(fs) and not store.dir(vol.volume_id).exists()
     finally:
-        store.unmount_all()
-        cat.close()
+        await store.unmount_all()

@@ -1,0 +1,488 @@
+"""The metering gateway's ledger (docs/design/database.md, "Ledger"; docs/design/gateway.md): runs and their
+address bindings, checkpoint marks, positions, divergences, calls, budgets and ledger entries.
+
+    ledger = Ledger(db, owner="1234:9f0e…")          # the owner this process writes on the calls it claims
+    await ledger.begin_upstream(attempt, ...)        # reserve, record the position, mark the call in flight
+    entry_id = await ledger.finish_upstream(attempt, ...)   # bill it, once (None: it was finished already)
+    await ledger.recover(alive)                      # the calls of dead owners: interrupted, billed once
+
+Promises:
+- `begin_upstream` reserves every applicable budget, records the call's position and marks the call `inflight` in
+  one transaction; a budget that the reservation would overrun refuses it (BudgetRefused) and nothing is written.
+  The reservation is a conditional UPDATE (`… WHERE spent + reserved + amount <= limit`), so two calls reserving at
+  once never overspend a budget, on PostgreSQL too. A call in flight (whoever owns it) is not claimed again:
+  CallInFlight.
+- `finish_upstream` bills the call once: it only finishes a call that is in flight and owned by this ledger's
+  owner; a second finish (or a finish after `recover` took the call) writes nothing and returns None.
+- `recover` turns every in-flight call whose owner `alive` says is gone into `interrupted`, with one ledger entry
+  and its whole reservation charged (the provider may have billed it), in one transaction; two recoveries at once
+  bill each call once.
+
+No domain types: usage is a plain mapping of token counts (stored as JSON in `calls.usage`), ledger entries,
+budgets and divergences are their rows as dicts (column name -> value). Owners are opaque strings; whether one is
+alive is the caller's to say (the gateway's `pid:nonce` today).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from keepstate.db.engine import Database
+from keepstate.db.repos._sql import duplicate, upsert
+from keepstate.db.schema import bindings, budgets, calls, divergences, ledger, marks, positions, reservations, runs
+
+TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "reasoning_tokens")
+
+INFLIGHT, DONE, FAILED, INTERRUPTED = "inflight", "done", "failed", "interrupted"
+
+
+class BudgetRefused(Exception):
+    """A reservation would overrun the budget of `scope` `ident`; nothing was written."""
+
+    def __init__(self, scope: str, ident: str) -> None:
+        super().__init__(f"{scope} {ident}")
+        self.scope, self.ident = scope, ident
+
+
+class CallInFlight(Exception):
+    """The call is in flight already (owned by `owner`): it is not claimed twice; nothing was written."""
+
+    def __init__(self, call_key: str, owner: str | None) -> None:
+        super().__init__(f"call {call_key} is in flight (owner {owner})")
+        self.call_key, self.owner = call_key, owner
+
+
+# -- records ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    run_id: str
+    session_id: str
+    sandbox_id: str
+    api_key_id: str | None
+    checkpoint_id: str | None
+    mode: str
+    parent_session_id: str | None
+    ended: bool = False
+    aligned_at: int | None = None  # for a run from a marked checkpoint: the source run's position of ordinal 0
+    source_ip: str | None = None  # the address its sandbox instance was registered with
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Position:
+    run_id: str
+    ordinal: int
+    call_key: str
+    body_hash: str
+    source: str  # upstream | store | joined | refused
+    delivered: bool
+    arrived_at: float | None = None
+    delivered_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mark:
+    checkpoint_id: str
+    session_id: str
+    run_id: str
+    position: int  # the lowest position the restored agent can re-issue first
+    last_position: int | None = None  # the highest (None: exactly `position`); see docs/design/gateway.md
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Call:
+    call_key: str
+    session_id: str
+    endpoint: str
+    provider: str
+    model: str
+    stream: bool
+    body_hash: str
+    status: str  # inflight | done | failed | interrupted
+    http_status: int | None
+    content_type: str | None
+    response: bytes | None
+    usage: dict[str, int] | None  # token counts by name (TOKEN_FIELDS)
+    upstream_request_id: str | None
+    owner: str | None
+    ok_entry_id: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attempt:
+    """What the ledger needs to know about the caller of one upstream request."""
+
+    call_key: str
+    run: Run
+    provider: str
+    model: str
+    endpoint: str
+    started_at: float
+
+
+class Ledger:
+    def __init__(self, db: Database, owner: str) -> None:
+        self.db = db
+        self.owner = owner
+
+    # -- runs and bindings ------------------------------------------------------------------------------------------
+    async def create_run(self, run: Run, token_hash: str, source_ip: str | None = None) -> None:
+        """Record a run and, with `source_ip`, bind that address to it (replacing any earlier binding)."""
+        now = time.time()
+        async with self.db.transaction() as conn:
+            await conn.execute(runs.insert().values(
+                run_id=run.run_id, token_hash=token_hash, session_id=run.session_id, sandbox_id=run.sandbox_id,
+                api_key_id=run.api_key_id, checkpoint_id=run.checkpoint_id, mode=run.mode,
+                parent_session_id=run.parent_session_id, created_at=now, source_ip=source_ip))
+            if source_ip is not None:
+                await conn.execute(upsert(self.db.kind, bindings, ["source_ip"],
+                                          {"source_ip": source_ip, "run_id": run.run_id, "created_at": now}))
+
+    async def bound_run(self, source_ip: str) -> Run | None:
+        """The run whose sandbox instance has this address now, if it is bound and not ended."""
+        query = (sa.select(runs).join(bindings, bindings.c.run_id == runs.c.run_id)
+                 .where(bindings.c.source_ip == source_ip, runs.c.ended_at.is_(None)))
+        async with self.db.read() as conn:
+            row = (await conn.execute(query)).first()
+        return _run(row) if row else None
+
+    async def bindings(self) -> dict[str, str]:
+        """Every bound address and its run."""
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(bindings.c.source_ip, bindings.c.run_id))
+            return {r.source_ip: r.run_id for r in rows}
+
+    async def parent_session(self, session_id: str) -> str | None:
+        """The session this one was forked from (recorded by its fork run; later runs of it need not repeat it)."""
+        query = (sa.select(runs.c.parent_session_id)
+                 .where(runs.c.session_id == session_id, runs.c.parent_session_id.is_not(None))
+                 .order_by(runs.c.created_at).limit(1))
+        async with self.db.read() as conn:
+            found: str | None = (await conn.execute(query)).scalar_one_or_none()
+        return found
+
+    async def set_aligned(self, run_id: str, position: int) -> None:
+        """Record the run's alignment, once (a later one is ignored)."""
+        async with self.db.transaction() as conn:
+            await conn.execute(runs.update().where(runs.c.run_id == run_id, runs.c.aligned_at.is_(None))
+                               .values(aligned_at=position))
+
+    async def run_by_token_hash(self, token_hash: str) -> Run | None:
+        return await self._one_run(runs.c.token_hash == token_hash)
+
+    async def run(self, run_id: str) -> Run | None:
+        return await self._one_run(runs.c.run_id == run_id)
+
+    async def active_run(self, session_id: str) -> Run | None:
+        """The session's latest run that has not ended."""
+        async with self.db.read() as conn:
+            row = (await conn.execute(
+                sa.select(runs).where(runs.c.session_id == session_id, runs.c.ended_at.is_(None))
+                .order_by(runs.c.created_at.desc()).limit(1))).first()
+        return _run(row) if row else None
+
+    async def run_ended(self, run_id: str) -> bool:
+        """Whether the run ended (an unknown run counts as ended)."""
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(runs.c.ended_at).where(runs.c.run_id == run_id))).first()
+        return row is None or row.ended_at is not None
+
+    async def end_run(self, run_id: str) -> None:
+        """End the run (once: its first end time is kept) and unbind its address."""
+        async with self.db.transaction() as conn:
+            await conn.execute(runs.update().where(runs.c.run_id == run_id, runs.c.ended_at.is_(None))
+                               .values(ended_at=time.time()))
+            await conn.execute(bindings.delete().where(bindings.c.run_id == run_id))
+
+    async def _one_run(self, where: sa.ColumnElement[bool]) -> Run | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(runs).where(where))).first()
+        return _run(row) if row else None
+
+    # -- checkpoint marks -------------------------------------------------------------------------------------------
+    async def put_mark(self, mark: Mark) -> None:
+        """Record the mark of a checkpoint, replacing any earlier one of it."""
+        values = {"checkpoint_id": mark.checkpoint_id, "session_id": mark.session_id, "run_id": mark.run_id,
+                  "position": mark.position, "created_at": time.time(), "last_position": mark.last_position}
+        async with self.db.transaction() as conn:
+            await conn.execute(upsert(self.db.kind, marks, ["checkpoint_id"], values))
+
+    async def mark(self, checkpoint_id: str) -> Mark | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(marks).where(marks.c.checkpoint_id == checkpoint_id))).first()
+        return _mark(row) if row else None
+
+    async def marks_of_run(self, run_id: str) -> builtins.list[Mark]:
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(marks).where(marks.c.run_id == run_id)
+                                      .order_by(marks.c.created_at, marks.c.checkpoint_id))
+            return [_mark(r) for r in rows]
+
+    # -- positions and divergences ----------------------------------------------------------------------------------
+    async def next_ordinal(self, run_id: str) -> int:
+        async with self.db.read() as conn:
+            top = (await conn.execute(sa.select(sa.func.max(positions.c.ordinal))
+                                      .where(positions.c.run_id == run_id))).scalar_one_or_none()
+        return 0 if top is None else int(top) + 1
+
+    async def positions(self, run_id: str) -> builtins.list[Position]:
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(positions).where(positions.c.run_id == run_id)
+                                      .order_by(positions.c.ordinal))
+            return [_position(r) for r in rows]
+
+    async def position(self, run_id: str, ordinal: int) -> Position | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(positions).where(positions.c.run_id == run_id,
+                                                                 positions.c.ordinal == ordinal))).first()
+        return _position(row) if row else None
+
+    async def latest_position_with_hash(self, run_id: str, body_hash: str) -> Position | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(
+                sa.select(positions).where(positions.c.run_id == run_id, positions.c.body_hash == body_hash)
+                .order_by(positions.c.ordinal.desc()).limit(1))).first()
+        return _position(row) if row else None
+
+    async def add_position(self, p: Position) -> None:
+        """Record a position (IntegrityError if the run has it already). Its arrival time defaults to now, and a
+        delivered position's delivery time to its arrival."""
+        async with self.db.transaction() as conn:
+            await conn.execute(_add_position(p))
+
+    async def set_delivered(self, run_id: str, ordinal: int, at: float | None = None) -> None:
+        """The position's answer reached the client at `at` (default: now); its first delivery time is kept."""
+        when = time.time() if at is None else at
+        async with self.db.transaction() as conn:
+            await conn.execute(
+                positions.update().where(positions.c.run_id == run_id, positions.c.ordinal == ordinal)
+                .values(delivered=1, delivered_at=sa.func.coalesce(positions.c.delivered_at, when)))
+
+    async def record_divergence(self, run_id: str, ordinal: int, expected: Position, got_hash: str) -> None:
+        async with self.db.transaction() as conn:
+            await conn.execute(divergences.insert().values(
+                run_id=run_id, ordinal=ordinal, expected_call_key=expected.call_key,
+                expected_hash=expected.body_hash, got_hash=got_hash, created_at=time.time()))
+
+    async def divergences(self, run_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        query = sa.select(divergences)
+        if run_id is not None:
+            query = query.where(divergences.c.run_id == run_id)
+        async with self.db.read() as conn:
+            return [dict(r._mapping) for r in await conn.execute(query.order_by(divergences.c.id))]
+
+    # -- calls ------------------------------------------------------------------------------------------------------
+    async def call(self, call_key: str) -> Call | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(calls).where(calls.c.call_key == call_key))).first()
+        return _call(row) if row else None
+
+    async def calls(self) -> builtins.list[Call]:
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(calls).order_by(calls.c.created_at, calls.c.call_key))
+            return [_call(r) for r in rows]
+
+    async def any_inflight(self) -> bool:
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(calls.c.call_key).where(calls.c.status == INFLIGHT).limit(1))).first()
+        return row is not None
+
+    async def begin_upstream(self, a: Attempt, stream: bool, body_hash: str, position: Position | None,
+                             scopes: builtins.list[tuple[str, str]], amount_nano: int) -> None:
+        """Claim a call for one upstream request, in one transaction: reserve `amount_nano` on each budget of
+        `scopes` that exists, record `position` (if any) and mark the call `inflight`, owned by this ledger's owner.
+
+        BudgetRefused if a budget could be overrun, CallInFlight if the call is in flight already; nothing is
+        written then."""
+        try:
+            async with self.db.transaction() as conn:
+                existing = (await conn.execute(
+                    sa.select(calls.c.status, calls.c.owner).where(calls.c.call_key == a.call_key)
+                    .with_for_update())).first()
+                if existing is not None and existing.status == INFLIGHT:
+                    raise CallInFlight(a.call_key, existing.owner)
+                for scope, ident in scopes:
+                    await self._reserve(conn, a.call_key, scope, ident, amount_nano)
+                if position is not None:
+                    await conn.execute(_add_position(position))
+                if existing is None:
+                    await conn.execute(calls.insert().values(
+                        call_key=a.call_key, session_id=a.run.session_id, run_id=a.run.run_id, endpoint=a.endpoint,
+                        provider=a.provider, model=a.model, stream=int(stream), body_hash=body_hash, status=INFLIGHT,
+                        owner=self.owner, attempts=1, created_at=a.started_at))
+                else:
+                    await conn.execute(
+                        calls.update().where(calls.c.call_key == a.call_key)
+                        .values(status=INFLIGHT, owner=self.owner, attempts=calls.c.attempts + 1, http_status=None,
+                                response=None, usage=None))
+        except sa.exc.IntegrityError as e:
+            # Another transaction inserted the call meanwhile (PostgreSQL; SQLite's write lock rules it out).
+            if not duplicate(e) or (position is not None and await self._position_taken(position)):
+                raise
+            raise CallInFlight(a.call_key, None) from None
+
+    async def _reserve(self, conn: AsyncConnection, call_key: str, scope: str, ident: str, amount: int) -> None:
+        where = (budgets.c.scope == scope, budgets.c.ident == ident)
+        done = await conn.execute(
+            budgets.update()
+            .where(*where, budgets.c.spent_nano + budgets.c.reserved_nano + amount <= budgets.c.limit_nano)
+            .values(reserved_nano=budgets.c.reserved_nano + amount))
+        if done.rowcount != 1:
+            if (await conn.execute(sa.select(budgets.c.scope).where(*where))).first() is None:
+                return  # no such budget: nothing to reserve
+            raise BudgetRefused(scope, ident)
+        await conn.execute(reservations.insert().values(call_key=call_key, owner=self.owner, scope=scope,
+                                                        ident=ident, amount_nano=amount))
+
+    async def _position_taken(self, p: Position) -> bool:
+        return await self.position(p.run_id, p.ordinal) is not None
+
+    async def finish_upstream(self, a: Attempt, *, ok: bool, outcome: str, http_status: int | None,
+                              content_type: str | None, response: bytes, usage: Mapping[str, int] | None,
+                              request_id: str | None, cost_nano: int, priced: bool) -> int | None:
+        """Store the response, write the call's ledger entry and turn its reservations into spending, in one
+        transaction; the entry's ID. Only a call in flight and owned by this ledger's owner is finished: for any
+        other (finished already, or recovered as interrupted) nothing is written and the answer is None."""
+        now = time.time()
+        async with self.db.transaction() as conn:
+            claimed = await conn.execute(
+                calls.update()
+                .where(calls.c.call_key == a.call_key, calls.c.status == INFLIGHT, calls.c.owner == self.owner)
+                .values(status=DONE if ok else FAILED, http_status=http_status, content_type=content_type,
+                        response=response, usage=json.dumps(dict(usage)) if usage is not None else None,
+                        upstream_request_id=request_id, finished_at=now, owner=None))
+            if claimed.rowcount != 1:
+                return None
+            entry_id = await _insert_entry(conn, "upstream", outcome, a, http_status, usage or {}, cost_nano, priced,
+                                           request_id, None, now)
+            if ok:
+                await conn.execute(calls.update().where(calls.c.call_key == a.call_key).values(ok_entry_id=entry_id))
+            await _settle(conn, a.call_key, self.owner, cost_nano)
+        return entry_id
+
+    async def record_served(self, kind: str, a: Attempt, original_entry_id: int | None,
+                            http_status: int | None) -> int:
+        """A zero-cost ledger entry for an answer given without going upstream (`store` or `joined`)."""
+        async with self.db.transaction() as conn:
+            return await _insert_entry(conn, kind, "ok", a, http_status, {}, 0, True, None, original_entry_id,
+                                       time.time())
+
+    async def recover(self, alive: Callable[[str], bool]) -> builtins.list[str]:
+        """Mark the in-flight calls whose owner is not `alive` `interrupted`, each with a ledger entry, and charge
+        their whole reservations (the provider may have billed them), in one transaction; their call keys."""
+        found: builtins.list[str] = []
+        query = (sa.select(calls, runs.c.sandbox_id, runs.c.api_key_id)
+                 .join(runs, runs.c.run_id == calls.c.run_id)
+                 .where(calls.c.status == INFLIGHT, calls.c.owner.is_not(None))
+                 .order_by(calls.c.created_at, calls.c.call_key)
+                 .with_for_update(of=calls))
+        async with self.db.transaction() as conn:
+            for row in (await conn.execute(query)).all():
+                if alive(row.owner):
+                    continue
+                run = Run(run_id=row.run_id, session_id=row.session_id, sandbox_id=row.sandbox_id,
+                          api_key_id=row.api_key_id, checkpoint_id=None, mode="", parent_session_id=None)
+                a = Attempt(call_key=row.call_key, run=run, provider=row.provider, model=row.model,
+                            endpoint=row.endpoint, started_at=row.created_at)
+                await conn.execute(calls.update().where(calls.c.call_key == row.call_key)
+                                   .values(status=INTERRUPTED, owner=None))
+                await _insert_entry(conn, "upstream", INTERRUPTED, a, None, {}, 0, True, None, None, time.time())
+                await _settle(conn, row.call_key, row.owner, None)
+                found.append(row.call_key)
+        return found
+
+    # -- budgets and the ledger -------------------------------------------------------------------------------------
+    async def set_budget(self, scope: str, ident: str, limit_nano: int) -> None:
+        """Create the budget, or change its limit (what it spent and reserved is kept)."""
+        async with self.db.transaction() as conn:
+            await conn.execute(upsert(self.db.kind, budgets, ["scope", "ident"],
+                                      {"scope": scope, "ident": ident, "limit_nano": limit_nano}))
+
+    async def budget(self, scope: str, ident: str) -> dict[str, Any] | None:
+        """The budget's row (scope, ident, limit_nano, spent_nano, reserved_nano), or None."""
+        async with self.db.read() as conn:
+            row = (await conn.execute(sa.select(budgets).where(budgets.c.scope == scope,
+                                                               budgets.c.ident == ident))).first()
+        return dict(row._mapping) if row else None
+
+    async def budgets(self) -> builtins.list[dict[str, Any]]:
+        async with self.db.read() as conn:
+            rows = await conn.execute(sa.select(budgets).order_by(budgets.c.scope, budgets.c.ident))
+            return [dict(r._mapping) for r in rows]
+
+    async def entries(self, session_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        """The ledger's entries (of one session), oldest first, as rows (column name -> value)."""
+        query = sa.select(ledger)
+        if session_id is not None:
+            query = query.where(ledger.c.session_id == session_id)
+        async with self.db.read() as conn:
+            return [dict(r._mapping) for r in await conn.execute(query.order_by(ledger.c.entry_id))]
+
+
+# -- statements shared by several methods ---------------------------------------------------------------------------
+def _add_position(p: Position) -> sa.Insert:
+    arrived = time.time() if p.arrived_at is None else p.arrived_at
+    delivered_at = (arrived if p.delivered_at is None else p.delivered_at) if p.delivered else None
+    return positions.insert().values(run_id=p.run_id, ordinal=p.ordinal, call_key=p.call_key, body_hash=p.body_hash,
+                                     source=p.source, delivered=int(p.delivered), arrived_at=arrived,
+                                     delivered_at=delivered_at)
+
+
+async def _insert_entry(conn: AsyncConnection, kind: str, outcome: str, a: Attempt, http_status: int | None,
+                        usage: Mapping[str, int], cost_nano: int, priced: bool, request_id: str | None,
+                        original: int | None, now: float) -> int:
+    done = await conn.execute(ledger.insert().values(
+        kind=kind, outcome=outcome, call_key=a.call_key, session_id=a.run.session_id, sandbox_id=a.run.sandbox_id,
+        api_key_id=a.run.api_key_id, run_id=a.run.run_id, provider=a.provider, model=a.model, endpoint=a.endpoint,
+        http_status=http_status, **{f: int(usage.get(f) or 0) for f in TOKEN_FIELDS}, cost_nano=cost_nano,
+        priced=int(priced), upstream_request_id=request_id, original_entry_id=original, started_at=a.started_at,
+        finished_at=now).returning(ledger.c.entry_id))
+    return int(done.scalar_one())
+
+
+async def _settle(conn: AsyncConnection, call_key: str, owner: str, cost_nano: int | None) -> None:
+    """Replace the call's reservations by `owner` with its actual cost (None: charge the whole reservation)."""
+    rows = (await conn.execute(
+        sa.select(reservations).where(reservations.c.call_key == call_key, reservations.c.owner == owner)
+        .order_by(reservations.c.id))).all()
+    for r in rows:
+        spent = r.amount_nano if cost_nano is None else cost_nano
+        await conn.execute(
+            budgets.update().where(budgets.c.scope == r.scope, budgets.c.ident == r.ident)
+            .values(reserved_nano=budgets.c.reserved_nano - r.amount_nano, spent_nano=budgets.c.spent_nano + spent))
+        await conn.execute(reservations.delete().where(reservations.c.id == r.id))
+
+
+# -- rows to records ------------------------------------------------------------------------------------------------
+def _run(row: Row[Any]) -> Run:
+    return Run(run_id=row.run_id, session_id=row.session_id, sandbox_id=row.sandbox_id, api_key_id=row.api_key_id,
+               checkpoint_id=row.checkpoint_id, mode=row.mode, parent_session_id=row.parent_session_id,
+               ended=row.ended_at is not None, aligned_at=row.aligned_at, source_ip=row.source_ip)
+
+
+def _position(row: Row[Any]) -> Position:
+    return Position(run_id=row.run_id, ordinal=row.ordinal, call_key=row.call_key, body_hash=row.body_hash,
+                    source=row.source, delivered=bool(row.delivered), arrived_at=row.arrived_at,
+                    delivered_at=row.delivered_at)
+
+
+def _mark(row: Row[Any]) -> Mark:
+    return Mark(checkpoint_id=row.checkpoint_id, session_id=row.session_id, run_id=row.run_id,
+                position=row.position, last_position=row.last_position)
+
+
+def _call(row: Row[Any]) -> Call:
+    return Call(call_key=row.call_key, session_id=row.session_id, endpoint=row.endpoint, provider=row.provider,
+                model=row.model, stream=bool(row.stream), body_hash=row.body_hash, status=row.status,
+                http_status=row.http_status, content_type=row.content_type,
+                response=bytes(row.response) if row.response is not None else None,
+                usage=json.loads(row.usage) if row.usage else None, upstream_request_id=row.upstream_request_id,
+                owner=row.owner, ok_entry_id=row.ok_entry_id)

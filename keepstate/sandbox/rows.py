@@ -1,0 +1,143 @@
+"""The sandbox package's view of the database: its rows, snapshots and teardowns as the package's own types.
+
+`SandboxRows` turns `SandboxRow`s into the records of keepstate.db and back, and conditions every write of a row on
+the version it was last read or written at (docs/design/database.md, "Concurrency rules"): a row that another
+writer changed meanwhile is `Stale`, never silently overwritten. The versions are kept here, not on `SandboxRow`,
+which the package copies freely (`with_instance`).
+
+    rows = SandboxRows(db, node_id="local")
+    await rows.put(row)              # insert, or a conditional update of the version last seen
+    for row in await rows.list(): ...
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from typing import Any
+
+from keepstate.db.engine import Database
+from keepstate.db.records import SandboxRecord, SnapshotRecord
+from keepstate.db.records import TeardownRecord as TeardownRow
+from keepstate.db.repos import Sandboxes, Snapshots
+from keepstate.db.setup import LOCAL_NODE
+from keepstate.errors import Conflict
+
+from .record import SandboxRow, Settings, TeardownRecord
+from .state import State
+
+
+class SandboxRows:
+    def __init__(self, db: Database, node_id: str = LOCAL_NODE) -> None:
+        self.db = db
+        self.node_id = node_id
+        self._repo = Sandboxes(db)
+        self._snapshots = Snapshots(db)
+        self._seen: dict[str, tuple[int, int]] = {}  # sandbox ID -> (version, epoch) last read or written
+
+    # -- rows --------------------------------------------------------------------------------------------------------
+    async def put(self, row: SandboxRow) -> None:
+        """Write the row: a new one is inserted; a known one is updated only if it is still at the version this
+        process last saw (Stale or Fenced otherwise, keepstate.db.errors)."""
+        seen = self._seen.get(row.sandbox_id)
+        if seen is None:
+            try:
+                await self._repo.insert(self._record(row))
+                self._seen[row.sandbox_id] = (0, 0)
+                return
+            except Conflict:  # written by this node before this process knew it (a pooled row, adoption)
+                found = await self._repo.get(row.sandbox_id)
+                if found is None:
+                    raise
+                seen = (found.version, found.epoch)
+        changes = self._columns(row)
+        version = await self._repo.transition(row.sandbox_id, seen[0], seen[1], **changes)
+        self._seen[row.sandbox_id] = (version, seen[1])
+
+    async def claim(self, pooled_id: str, row: SandboxRow) -> None:
+        """Replace the pooled row `pooled_id` by `row` (a user's ID) in one transaction."""
+        await self._repo.claim_pooled(pooled_id, self._record(row))
+        self._seen.pop(pooled_id, None)
+        self._seen[row.sandbox_id] = (0, 0)
+
+    async def delete(self, sandbox_id: str, teardown: TeardownRecord | None = None) -> None:
+        """Forget the row, recording `teardown` in the same transaction when given."""
+        await self._repo.delete(sandbox_id, _teardown_row(teardown) if teardown is not None else None)
+        self._seen.pop(sandbox_id, None)
+
+    async def get(self, sandbox_id: str) -> SandboxRow | None:
+        found = await self._repo.get(sandbox_id)
+        return self._row(found) if found is not None else None
+
+    async def list(self, states: tuple[State, ...] | None = None) -> builtins.list[SandboxRow]:
+        """This node's rows (in `states`, if given)."""
+        wanted = [str(s) for s in states] if states else None
+        return [self._row(r) for r in await self._repo.list(self.node_id, wanted)]
+
+    async def used_slots(self) -> set[int]:
+        return await self._repo.used_slots(self.node_id)
+
+    # -- teardowns ---------------------------------------------------------------------------------------------------
+    async def add_teardown(self, runtime_name: str, slot: int) -> None:
+        """Record a teardown to do; one already recorded for the instance keeps its attempts."""
+        await self._repo.add_teardown(TeardownRow(runtime_name=runtime_name, slot=slot, next_try=time.time()))
+
+    async def teardown_failed(self, runtime_name: str, next_try: float, error: str) -> None:
+        await self._repo.teardown_failed(runtime_name, error, next_try)
+
+    async def delete_teardown(self, runtime_name: str) -> None:
+        await self._repo.delete_teardown(runtime_name)
+
+    async def teardowns(self) -> builtins.list[TeardownRecord]:
+        return [TeardownRecord(t.runtime_name, t.slot, t.attempts, t.next_try, t.last_error)
+                for t in await self._repo.teardowns()]
+
+    # -- snapshots (checkpoints usable as a templateID) ------------------------------------------------------------
+    async def put_snapshot(self, snapshot_id: str, names: builtins.list[str], checkpoint_id: str, sandbox_id: str,
+                           template_id: str) -> None:
+        await self._snapshots.put(SnapshotRecord(snapshot_id=snapshot_id, checkpoint_id=checkpoint_id,
+                                                 sandbox_id=sandbox_id, template_id=template_id,
+                                                 created_at=time.time(), names=tuple(names)))
+
+    async def find_snapshot(self, ref: str) -> dict[str, Any] | None:
+        """A snapshot by ID, by name, or by a name:tag's name."""
+        found = await self._snapshots.get(ref) or await self._snapshots.by_name(ref)
+        if found is None and ":" in ref:
+            found = await self._snapshots.by_name(ref.split(":")[0])
+        return snapshot_dict(found) if found is not None else None
+
+    async def snapshots(self) -> builtins.list[dict[str, Any]]:
+        return [snapshot_dict(s) for s in await self._snapshots.list()]
+
+    async def delete_snapshot(self, snapshot_id: str) -> bool:
+        return await self._snapshots.delete(snapshot_id)
+
+    # -- conversions -------------------------------------------------------------------------------------------------
+    def _columns(self, row: SandboxRow) -> dict[str, Any]:
+        return {"state": str(row.state), "template_id": row.template_id, "template_digest": row.template_digest,
+                "runtime_name": row.runtime_name, "slot": row.slot, "address": row.address,
+                "access_token": row.access_token, "started_at": row.started_at, "end_at": row.end_at,
+                "cpu": row.cpu, "memory_mb": row.memory_mb, "api_key_id": row.api_key_id,
+                "doc": json.dumps(row.settings.to_json()), "node_id": self.node_id}
+
+    def _record(self, row: SandboxRow) -> SandboxRecord:
+        return SandboxRecord(sandbox_id=row.sandbox_id, **self._columns(row))
+
+    def _row(self, rec: SandboxRecord) -> SandboxRow:
+        self._seen[rec.sandbox_id] = (rec.version, rec.epoch)
+        return SandboxRow(sandbox_id=rec.sandbox_id, state=State(rec.state), template_id=rec.template_id,
+                          template_digest=rec.template_digest, runtime_name=rec.runtime_name, slot=rec.slot,
+                          address=rec.address, access_token=rec.access_token, started_at=rec.started_at,
+                          end_at=rec.end_at, cpu=rec.cpu, memory_mb=rec.memory_mb, api_key_id=rec.api_key_id,
+                          settings=Settings.from_json(json.loads(rec.doc)))
+
+
+def snapshot_dict(s: SnapshotRecord) -> dict[str, Any]:
+    return {"snapshot_id": s.snapshot_id, "names": list(s.names), "checkpoint_id": s.checkpoint_id,
+            "sandbox_id": s.sandbox_id, "template_id": s.template_id, "created_at": s.created_at}
+
+
+def _teardown_row(t: TeardownRecord) -> TeardownRow:
+    return TeardownRow(runtime_name=t.runtime_name, slot=t.slot, attempts=t.attempts, next_try=t.next_try,
+                       last_error=t.last_error)
