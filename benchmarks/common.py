@@ -86,10 +86,13 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, every: float, ti
 
 
 @contextmanager
-def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = ()) -> Iterator[Server]:
+def server(pool: int = 2, warm: str = "base", extra: tuple[str, ...] = (), db: str | None = None) -> Iterator[Server]:
+    """A server of its own data directory; on the database `db` (default: its embedded SQLite)."""
     home = Path(tempfile.mkdtemp(prefix="keepstate-bench-"))
     port = free_port()
     env = {**os.environ, "KEEPSTATE_HOME": str(home), "KEEPSTATE_TEMPLATE_CACHE": TEMPLATE_CACHE}
+    if db is not None:
+        env["KEEPSTATE_DB"] = db
     if in_root_netns():  # no sandbox of a benchmark reaches a real address (network.py runs isolated instead)
         env["KEEPSTATE_EGRESS"] = "off"
     log = open(home / "server.log", "wb")

@@ -119,22 +119,16 @@ def pct(xs: list[float], p: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] * 1000
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=400, help="sequential requests per target for latency")
-    ap.add_argument("--throughput-requests", type=int, default=800)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--no-litellm", action="store_true")
-    ap.add_argument("--setup", action="store_true", help="only create the LiteLLM venv")
-    args = ap.parse_args()
-    if args.setup:
-        print(setup_bench_venv())
-        return
-    litellm = None if args.no_litellm else setup_bench_venv()
-
+async def measure(requests: int, throughput_requests: int, concurrency: int, litellm: Path | None = None,
+                  db: str | None = None) -> dict[str, dict[str, float]]:
+    """Latency and throughput of each target: the fake provider directly, through a `keepstate gateway` on the
+    database `db` (default: SQLite in a temporary data directory), and through LiteLLM if given."""
+    from keepstate.db.setup import prepare
+    from keepstate.db.url import default_url
     from keepstate.gateway import Gateway, GatewayConfig
 
     home = Path(tempfile.mkdtemp(prefix="ks-gw-bench-"))
+    db = db or default_url(home)
     fake_port, gw_port, ll_port = free_port(), free_port(), free_port()
     fake_url = f"http://127.0.0.1:{fake_port}"
     cfg_doc = {"providers": [{"name": "fake", "kind": "openai", "base_url": fake_url + "/v1", "api_key": "sk-fake",
@@ -143,12 +137,15 @@ async def main() -> None:
     procs = [spawn([sys.executable, "-m", "keepstate.testing.fake_provider", "--port", str(fake_port)])]
     try:
         await wait_ready(fake_url + "/_fake/stats", procs[0])
+        # The token is registered from this process on the shared database, as the server would do.
+        opened = await prepare(db, home)
+        try:
+            gw = Gateway(GatewayConfig.from_file(home / "gateway.json"), opened)
+            token = await gw.register_run("bench-session", "bench-sandbox", None, None)
+        finally:
+            await opened.close()
         procs.append(spawn([sys.executable, "-m", "keepstate.cli.main", "gateway", "--listen",
-                            f"127.0.0.1:{gw_port}", "--config", str(home / "gateway.json")]))
-        # The token is registered from this process on the shared SQLite file, as the server would do.
-        gw = Gateway(GatewayConfig.from_file(home / "gateway.json"))
-        token = gw.register_run("bench-session", "bench-sandbox", None, None)
-        gw.store.close()
+                            f"127.0.0.1:{gw_port}", "--config", str(home / "gateway.json"), "--db", db]))
         targets = [Target("direct", fake_url + "/v1", "sk-fake"),
                    Target("keepstate", f"http://127.0.0.1:{gw_port}/v1", token)]
         await wait_ready(targets[1].url.removesuffix("/v1") + "/v1/models", procs[1])
@@ -168,9 +165,9 @@ async def main() -> None:
 
         rows: dict[str, dict[str, float]] = {}
         for t in targets:
-            plain = await latency(t, args.requests, stream=False)
-            streamed = await latency(t, args.requests // 2, stream=True)
-            rps = await throughput(t, args.throughput_requests, args.concurrency)
+            plain = await latency(t, requests, stream=False)
+            streamed = await latency(t, requests // 2, stream=True)
+            rps = await throughput(t, throughput_requests, concurrency)
             rows[t.name] = {"p50": pct(plain, 0.5), "p99": pct(plain, 0.99), "stream_p50": pct(streamed, 0.5),
                             "mean": statistics.fmean(plain) * 1000, "rps": rps}
     finally:
@@ -181,6 +178,23 @@ async def main() -> None:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+    return rows
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="sequential requests per target for latency")
+    ap.add_argument("--throughput-requests", type=int, default=800)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--no-litellm", action="store_true")
+    ap.add_argument("--db", default=None, help="the gateway's database URL (default: SQLite in a temporary directory)")
+    ap.add_argument("--setup", action="store_true", help="only create the LiteLLM venv")
+    args = ap.parse_args()
+    if args.setup:
+        print(setup_bench_venv())
+        return
+    litellm = None if args.no_litellm else setup_bench_venv()
+    rows = await measure(args.requests, args.throughput_requests, args.concurrency, litellm, args.db)
 
     d = rows["direct"]
     print(f"{'target':10} {'p50 ms':>8} {'p99 ms':>8} {'stream p50':>10} {'added p50':>10} {'added p99':>10} "

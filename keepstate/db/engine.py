@@ -31,6 +31,7 @@ from sqlalchemy import event, exc, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from keepstate.db import inline_sqlite
 from keepstate.db.errors import DatabaseUnavailable
 from keepstate.db.url import DatabaseURL, Kind, parse
 from keepstate.errors import BadRequest
@@ -147,22 +148,19 @@ def unavailable_reason(e: BaseException) -> str | None:
 
 
 def _sqlite_engine(url: DatabaseURL, *, write: bool) -> AsyncEngine:
+    # Statements run on the loop's thread (inline_sqlite.py: why, and why that never waits for a lock there); every
+    # transaction ends in a COMMIT or ROLLBACK of its own, so a connection needs no reset when it goes back.
+    assert url.path is not None
+    options: dict[str, Any] = {"async_creator": inline_sqlite.creator(str(url.path), SQLITE_BUSY_TIMEOUT_MS / 1000),
+                               "pool_timeout": POOL_TIMEOUT_S, "pool_reset_on_return": None}
     if write:  # one writer connection: writers of this process queue here, not on SQLite's busy loop
-        engine = create_async_engine(url.sqlalchemy_url, pool_size=1, max_overflow=0, pool_timeout=POOL_TIMEOUT_S)
-    else:
-        engine = create_async_engine(url.sqlalchemy_url, pool_timeout=POOL_TIMEOUT_S)
+        options |= {"pool_size": 1, "max_overflow": 0}
+    engine = create_async_engine(url.sqlalchemy_url, **options)
     begin = "BEGIN IMMEDIATE" if write else "BEGIN"
 
     @event.listens_for(engine.sync_engine, "connect")
     def _connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # the driver emits no BEGIN of its own: _begin does
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")  # first: WAL below may wait for a lock
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-        finally:
-            cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn: Connection) -> None:

@@ -37,15 +37,63 @@ def _transition(sandbox_id: str, expect_version: int, to: str) -> Update:
             .values(state=to, version=sandboxes.c.version + 1))
 
 
-async def test_sqlite_runs_in_wal_with_a_busy_timeout(tmp_path: Path) -> None:
+async def test_sqlite_runs_in_wal_and_never_waits_for_a_lock_on_the_loop(tmp_path: Path) -> None:
     db = await Database.open(default_url(tmp_path))
     try:
         for conn_of in (db.read, db.transaction):
             async with conn_of() as conn:
                 assert (await conn.execute(text("PRAGMA journal_mode"))).scalar() == "wal"
                 assert (await conn.execute(text("PRAGMA synchronous"))).scalar() == 1  # NORMAL
-                assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar() == 5000
+                # statements run on the loop's thread: SQLite itself never waits (inline_sqlite.py)
+                assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar() == 0
     finally:
+        await db.close()
+
+
+async def test_a_write_waits_for_another_process_lock_without_stopping_the_loop(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holds the write lock: a write transaction waits for it by awaiting (the loop runs other
+    tasks meanwhile), goes ahead once it is released, and is refused as unavailable (503) if it is held too long."""
+
+    from keepstate.db import engine
+
+    db = await Database.open(default_url(tmp_path))
+    other = sqlite3.connect(tmp_path / "keepstate.sqlite", timeout=0, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        running = asyncio.get_running_loop().create_task(ticker())
+
+        async def write() -> None:
+            async with db.transaction() as conn:
+                await conn.execute(text("CREATE TABLE IF NOT EXISTS t (x INTEGER)"))
+
+        waiting = asyncio.get_running_loop().create_task(write())
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and ticks >= 10  # it waits, and the loop goes on
+        other.execute("ROLLBACK")
+        await asyncio.wait_for(waiting, 10)
+        running.cancel()
+
+        other.execute("BEGIN IMMEDIATE")
+        monkeypatch.setattr(engine, "SQLITE_BUSY_TIMEOUT_MS", 300)
+        short = await Database.open(default_url(tmp_path))  # a busy timeout of 0.3 s
+        try:
+            with pytest.raises(DatabaseUnavailable, match="locked"):
+                async with short.transaction() as conn:
+                    await conn.execute(text("SELECT 1"))
+        finally:
+            await short.close()
+            other.execute("ROLLBACK")
+    finally:
+        other.close()
         await db.close()
 
 

@@ -149,7 +149,9 @@ def start_marker(sbx: Any) -> str:
     (docs/design/boot-images.md) share it."""
     marker = f"sleep {secrets.randbelow(10**6) + 10**6}"
     sbx.commands.run(marker, background=True)
-    assert survived(sbx, marker)
+    # A background command is answered once its process starts: the shell that runs it may not have exec'd `sleep`
+    # yet (fresh-clone run 8 saw exactly that under load), so look until it has.
+    wait_until(lambda: survived(sbx, marker), 30, f"`{marker}` to run")
     return marker
 
 
