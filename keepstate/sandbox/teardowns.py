@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from keepstate.db.errors import DatabaseUnavailable
 from keepstate.runtime.base import Handle, Runtime
 
 from .record import TeardownRecord
@@ -122,16 +123,24 @@ class Teardowns:
         else:
             rec = replace(rec, slot=slot)
             if not left:
+                try:
+                    await self.rows.delete_teardown(name)
+                except DatabaseUnavailable as exc:  # torn down, but still recorded: done again (a no-op) later
+                    self._pending[name] = replace(rec, next_try=time.time() + backoff(1))
+                    log.warning("teardown of %s done; its record stays until the database answers: %s", name, exc)
+                    return False
                 if rec.slot >= 0:
-                    self.slots.release(rec.slot)  # only now: its network is gone
-                await self.rows.delete_teardown(name)
+                    self.slots.release(rec.slot)  # only now: its network is gone and no record holds it
                 self._pending.pop(name, None)
                 return True
             error = "left " + ", ".join(left)
         attempts = rec.attempts + 1
         wait = backoff(attempts)
         self._pending[name] = replace(rec, attempts=attempts, next_try=time.time() + wait, last_error=error)
-        await self.rows.teardown_failed(name, time.time() + wait, error)
+        try:
+            await self.rows.teardown_failed(name, time.time() + wait, error)
+        except DatabaseUnavailable as exc:  # the attempt count stays in memory; the record keeps the older one
+            log.warning("teardown of %s: its failure is not recorded: %s", name, exc)
         log.warning("teardown of %s failed (attempt %d; next in %.0f s): %s", name, attempts, wait, error)
         if self._wake is not None:
             self._wake.set()

@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from keepstate.db.errors import DatabaseUnavailable
+
 from .log import EventLog
 
 log = logging.getLogger("keepstate.session.journal")
@@ -237,7 +239,7 @@ class JournalPoller:
                 await self.pull_now(session_id)
             except JournalBusy:
                 continue
-            except (TimeoutError, JournalError, KeyError) as exc:
+            except (TimeoutError, JournalError, KeyError, DatabaseUnavailable) as exc:  # tried again later
                 t.failures += 1
                 t.skip = min(2 ** t.failures, 30)
                 log.warning("journal pull for %s failed (%d in a row): %s", session_id, t.failures, exc)

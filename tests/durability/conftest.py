@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sdk.sdkharness import TEMPLATE_CACHE, Server, make_key, start_server
+from tests.sdk.sdkharness import KEEPSTATE, TEMPLATE_CACHE, Server, make_key, start_server
 from tests.store.conftest import s3_server  # noqa: F401  (a real SeaweedFS on loopback)
 
 
@@ -22,14 +23,22 @@ class Fleet:
     servers: list[Server] = field(default_factory=list)
 
     def start(self, home: str | None = None, port: int | None = None, store: str | None = None,
-              cache: str | None = None, extra: tuple[str, ...] = ()) -> Server:
-        """Start a server; `extra` are more `keepstate serve` arguments (e.g. --gateway-config PATH)."""
+              cache: str | None = None, extra: tuple[str, ...] = (), db: str | None = None) -> Server:
+        """Start a server; `extra` are more `keepstate serve` arguments (e.g. --gateway-config PATH); `db` its
+        database (default: SQLite in its data directory)."""
         home = home or tempfile.mkdtemp(prefix="keepstate-durable-")
         args: tuple[str, ...] = ("--reap-on-exit", *extra)
         if store:
             args += ("--store", store)
+        if db:
+            args += ("--db", db)
         srv = start_server(home, port=port, pool=0, extra=args, template_cache=cache)
-        srv.key = make_key(home)
+        if db:
+            srv.key = subprocess.check_output([str(KEEPSTATE), "keys", "create", "durable", "--db", db],
+                                              env={**os.environ, "KEEPSTATE_HOME": home},
+                                              stderr=subprocess.DEVNULL).decode().strip()
+        else:
+            srv.key = make_key(home)
         self.servers.append(srv)
         return srv
 

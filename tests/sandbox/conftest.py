@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import tempfile
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.record import SandboxRow, TeardownRecord
 from keepstate.sandbox.rows import SandboxRows
 from keepstate.testing import FakeRuntime, FakeTemplates
+from keepstate.testing.databases import postgres  # noqa: F401
+from keepstate.testing.postgres import PostgresServer
 
 TEMPLATE_CACHE = "/var/lib/keepstate/templates"
 os.environ.setdefault("KEEPSTATE_VALIDATE_RESPONSES", "1")  # every answer checked against docs/openapi.yaml
@@ -128,7 +131,12 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
 
 @pytest.fixture
 async def served(request: pytest.FixtureRequest) -> AsyncIterator[Served]:
-    """A server on the runtime the test is parametrised with ("fake" or "gvisor")."""
+    """A server on the runtime the test is parametrised with ("fake" or "gvisor"; "fake-postgresql": the fake
+    runtime on a new database of the session's PostgreSQL instead of SQLite)."""
     kind = getattr(request, "param", "fake")
-    async with serving(kind) as s:
+    options: dict[str, Any] = {}
+    if kind == "fake-postgresql":
+        pg: PostgresServer = request.getfixturevalue("postgres")
+        kind, options["db_url"] = "fake", pg.createdb(f"served_{secrets.token_hex(6)}")
+    async with serving(kind, **options) as s:
         yield s

@@ -1,5 +1,6 @@
 """Concurrent lifecycle commands on one sandbox, as a user's agent fires them: pause, snapshot, fork, connect, pause,
-a network update and a kill (or a timeout of 0) at the same moment, 50 rounds, on the fake runtime and on gVisor.
+a network update and a kill (or a timeout of 0) at the same moment, 50 rounds, on the fake runtime (on SQLite and on
+PostgreSQL) and on gVisor.
 
 Every answer is a success or a JSON 4xx, never a 5xx or a hang; afterwards the list, the info call and the
 runtime agree on one state, and a sandbox left paused resumes with its files.
@@ -113,7 +114,7 @@ async def one_round(s: Served, n: int) -> dict[str, int]:
     return seen
 
 
-@pytest.mark.parametrize("served", ["fake", "gvisor"], indirect=True)
+@pytest.mark.parametrize("served", ["fake", "fake-postgresql", "gvisor"], indirect=True)
 @pytest.mark.timeout(1500)
 async def test_concurrent_lifecycle_commands_on_one_sandbox(served: Served) -> None:
     if isinstance(served.runtime, FakeRuntime):  # as slow as a small gVisor checkpoint, so commands overlap
