@@ -11,7 +11,7 @@ from aiohttp import web
 
 from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
 from keepstate.sandbox.manager import SandboxManager
-from keepstate.sandbox.state import State
+from keepstate.sandbox.state import PUBLIC, State
 
 from . import schemas
 from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER
@@ -174,7 +174,7 @@ async def update_network(request: web.Request) -> web.Response:
 async def list_v2(request: web.Request) -> web.Response:
     rows = manager(request).listed()
     page, token = schemas.filter_and_page(rows, dict(request.query))
-    headers = {"X-Total-Running": str(sum(1 for r in rows if schemas.PUBLIC.get(r.state) == "running"))}
+    headers = {"X-Total-Running": str(sum(1 for r in rows if PUBLIC.get(r.state) == "running"))}
     if token:
         headers["X-Next-Token"] = token
     return web.json_response([schemas.listed(r, envd_version(request), domain(request)) for r in page], headers=headers)

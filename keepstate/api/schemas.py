@@ -199,9 +199,9 @@ def parse_auto_resume(value: Any) -> bool:
     if value is None or isinstance(value, bool):
         return bool(value)
     if isinstance(value, dict) and set(value) == {"enabled"} and isinstance(value["enabled"], bool):
-        return value["enabled"]
+        return bool(value["enabled"])
     if isinstance(value, dict) and set(value) == {"policy"} and value["policy"] in ("any", "off"):
-        return value["policy"] == "any"
+        return bool(value["policy"] == "any")
     raise BadRequest('`autoResume` must be {"enabled": true|false} (or {"policy": "any"|"off"}, or a boolean)')
 
 

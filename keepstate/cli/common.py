@@ -127,7 +127,8 @@ class _Reporting:
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         given = args[: args.index("--")] if "--" in args else list(args)  # the parser consumes `args`
         try:
-            return super().parse_args(ctx, args)  # type: ignore[misc]
+            parsed: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
+            return parsed
         except click.UsageError as exc:
             if ctx.meta.get(_JSON) or "--json" in given:
                 report(BadRequest(f"{exc.format_message()} (see `{ctx.command_path} --help`)"), True, exc.exit_code)

@@ -38,7 +38,8 @@ class LazyGroup(Group):
         if entry is None:
             return None
         module_name, attr = entry[0].split(":")
-        return getattr(importlib.import_module(module_name), attr)
+        found: click.Command = getattr(importlib.import_module(module_name), attr)
+        return found
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, help_) for name, (_, help_) in sorted(SUBCOMMANDS.items())]

@@ -90,7 +90,7 @@ class Resolver:
         loop = asyncio.get_running_loop()
         for _ in range(20):
             udp, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), local_addr=(host, port))
-            chosen = udp.get_extra_info("sockname")[1]
+            chosen: int = udp.get_extra_info("sockname")[1]
             try:
                 self._tcp = await asyncio.start_server(self._serve_tcp, host, chosen)
             except OSError:

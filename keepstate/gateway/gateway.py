@@ -256,9 +256,9 @@ class Gateway:
     async def _caller(self, token: str | None, peer: str | None) -> _RunState:
         """The run a request belongs to: the one bound to its address, else the one its token was issued to."""
         token_run = await self._token_run(token) if token else None
+        peer = normal_ip(peer) if peer is not None else None
+        bound, ended = await self.ledger.caller(peer, token_run.run_id if token_run is not None else None)
         if peer is not None:
-            peer = normal_ip(peer)
-            bound = await self.ledger.bound_run(peer)
             if bound is not None:
                 # The token only proves the caller is of this session's family; the address says which run.
                 if token_run is None or token_run.session_id not in await self.lineage(bound.session_id):
@@ -267,7 +267,7 @@ class Gateway:
             if (token_run is not None and token_run.source_ip is not None and token_run.source_ip != peer
                     and peer not in HOST_PEERS):
                 raise BindingPending(peer)
-        if token_run is None or await self.ledger.run_ended(token_run.run_id):
+        if token_run is None or ended:
             raise errors.unauthenticated()
         return await self._state(token_run)
 
@@ -410,7 +410,7 @@ class Gateway:
     ) -> Answer:
         run = attempt.run
         scopes = [("session", run.session_id)] + ([("key", run.api_key_id)] if run.api_key_id else [])
-        applicable = [s for s in scopes if await self.ledger.budget(*s) is not None]
+        applicable = await self.ledger.existing_budgets(scopes)
         amount, cap_field = 0, None
         if applicable:
             price = self.prices.price(attempt.model)

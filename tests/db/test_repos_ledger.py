@@ -62,6 +62,30 @@ async def test_runs_bindings_and_lineage(database: Database) -> None:
     assert ended is not None and ended.ended
 
 
+async def test_caller_reads_the_binding_and_the_end_in_one_go(database: Database) -> None:
+    ledger = Ledger(database, ME)
+    bound = Run(run_id="run_b", session_id="s", sandbox_id="x", api_key_id=None, checkpoint_id=None, mode="diverge",
+                parent_session_id=None, source_ip="10.88.0.9")
+    await ledger.create_run(RUN, "h1")
+    await ledger.create_run(bound, "hb", "10.88.0.9")
+    assert await ledger.caller("10.88.0.9", "run_1") == (bound, False)
+    assert await ledger.caller("127.0.0.1", "run_1") == (None, False)
+    assert await ledger.caller(None, None) == (None, True)
+    assert await ledger.caller(None, "nope") == (None, True)  # an unknown run counts as ended
+    await ledger.end_run("run_b")
+    await ledger.end_run("run_1")
+    assert await ledger.caller("10.88.0.9", "run_1") == (None, True)
+
+
+async def test_existing_budgets_in_their_order(database: Database) -> None:
+    ledger = Ledger(database, ME)
+    await ledger.set_budget("key", "k1", 100)
+    await ledger.set_budget("session", "s1", 100)
+    scopes = [("session", "s1"), ("key", "k2"), ("key", "k1")]
+    assert await ledger.existing_budgets(scopes) == [("session", "s1"), ("key", "k1")]
+    assert await ledger.existing_budgets([]) == []
+
+
 async def test_a_binding_follows_the_latest_registration(database: Database) -> None:
     ledger = Ledger(database, ME)
     for run_id, session in (("a", "s1"), ("b", "s2")):

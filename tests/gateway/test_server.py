@@ -146,8 +146,7 @@ async def test_a_database_that_does_not_answer_is_a_retryable_503(env: Env, monk
     async def down(*_: object) -> None:
         raise DatabaseUnavailable("sqlite:///x: disk I/O error")
 
-    monkeypatch.setattr(env.gateway.ledger, "bound_run", down)
-    monkeypatch.setattr(env.gateway.ledger, "run_ended", down)
+    monkeypatch.setattr(env.gateway.ledger, "caller", down)  # the read that authenticates every call
     oa = openai.AsyncOpenAI(base_url=env.url + "/v1", api_key=token, max_retries=0)
     with pytest.raises(openai.InternalServerError) as e:
         await oa.chat.completions.create(model="fake-gpt", messages=[{"role": "user", "content": "x"}])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import builtins
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,19 @@ class Ledger:
         async with self.db.read() as conn:
             row = (await conn.execute(query)).first()
         return _run(row) if row else None
+
+    async def caller(self, source_ip: str | None, run_id: str | None) -> tuple[Run | None, bool]:
+        """What a request's authentication needs, in one read: the run bound to `source_ip` (as `bound_run`; None
+        without an address) and whether the run `run_id` ended (as `run_ended`; True without one)."""
+        bound_q = (sa.select(runs).join(bindings, bindings.c.run_id == runs.c.run_id)
+                   .where(bindings.c.source_ip == source_ip, runs.c.ended_at.is_(None)))
+        async with self.db.read() as conn:
+            row = (await conn.execute(bound_q)).first() if source_ip is not None else None
+            ended = True
+            if run_id is not None:
+                found = (await conn.execute(sa.select(runs.c.ended_at).where(runs.c.run_id == run_id))).first()
+                ended = found is None or found.ended_at is not None
+        return (_run(row) if row else None), ended
 
     async def bindings(self) -> dict[str, str]:
         """Every bound address and its run."""
@@ -412,6 +425,16 @@ class Ledger:
             row = (await conn.execute(sa.select(budgets).where(budgets.c.scope == scope,
                                                                budgets.c.ident == ident))).first()
         return dict(row._mapping) if row else None
+
+    async def existing_budgets(self, scopes: Sequence[tuple[str, str]]) -> builtins.list[tuple[str, str]]:
+        """The scopes of `scopes` that have a budget, in their order, in one read."""
+        if not scopes:
+            return []
+        where = sa.or_(*(sa.and_(budgets.c.scope == scope, budgets.c.ident == ident) for scope, ident in scopes))
+        async with self.db.read() as conn:
+            found = {(r.scope, r.ident) for r in await conn.execute(sa.select(budgets.c.scope, budgets.c.ident)
+                                                                     .where(where))}
+        return [s for s in scopes if s in found]
 
     async def budgets(self) -> builtins.list[dict[str, Any]]:
         async with self.db.read() as conn:
