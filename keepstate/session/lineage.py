@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from keepstate.db.engine import Database
@@ -17,36 +16,10 @@ SESSION_STATES = ("running", "paused", "killed")
 MAX_DEPTH = 1000  # parent links come from our own writes, but an import could forge a cycle
 
 
-@dataclass(frozen=True)
-class SessionRow:
-    session_id: str
-    template_id: str | None
-    created: float
-    parent_session: str | None
-    parent_checkpoint_id: str | None
-    state: str
-
-    @classmethod
-    def of(cls, rec: SessionRecord) -> SessionRow:
-        return cls(rec.session_id, rec.template_id, rec.created, rec.parent_session, rec.parent_checkpoint_id,
-                   rec.state)
-
-
-@dataclass(frozen=True)
-class CheckpointRow:
-    checkpoint_id: str
-    session_id: str
-    parent_checkpoint_id: str | None
-    kind: str
-    event_seq: int | None
-    event_hash: str | None
-    journal_cursor: int | None
-    created: float
-
-    @classmethod
-    def of(cls, rec: CheckpointRecord) -> CheckpointRow:
-        return cls(rec.checkpoint_id, rec.session_id, rec.parent_checkpoint_id, rec.kind, rec.event_seq,
-                   rec.event_hash, rec.journal_cursor, rec.created)
+# A session's row and a checkpoint's, as the history stores them (keepstate.db.records): the names the session
+# package has always exported.
+SessionRow = SessionRecord
+CheckpointRow = CheckpointRecord
 
 
 class Lineage:
@@ -90,7 +63,7 @@ class Lineage:
 
     async def session(self, session_id: str) -> SessionRow | None:
         rec = await self.history.session(session_id)
-        return SessionRow.of(rec) if rec is not None else None
+        return rec if rec is not None else None
 
     async def spawns(self, template_id: str) -> tuple[int, float | None]:
         """How many sandboxes were created from a template (forks not counted), and when the last one was."""
@@ -98,10 +71,10 @@ class Lineage:
 
     async def checkpoint(self, checkpoint_id: str) -> CheckpointRow | None:
         rec = await self.history.checkpoint(checkpoint_id)
-        return CheckpointRow.of(rec) if rec is not None else None
+        return rec if rec is not None else None
 
     async def checkpoints(self, session_id: str) -> list[CheckpointRow]:
-        return [CheckpointRow.of(r) for r in await self.history.checkpoints_of(session_id)]
+        return await self.history.checkpoints_of(session_id)
 
     async def latest_checkpoint(self, session_id: str) -> CheckpointRow | None:
         rows = await self.checkpoints(session_id)
