@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from keepstate.template.builder import sandbox_wheel_args  # noqa: E402
+from keepstate.rootfs import sandbox_wheel_args  # noqa: E402
 
 PYPROJECT = ROOT / "pyproject.toml"
 TARGET = ROOT / "keepstate" / "agent" / "requirements.txt"

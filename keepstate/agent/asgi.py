@@ -26,7 +26,7 @@ def header(scope: Scope, name: str) -> str | None:
     key = name.lower().encode()
     for k, v in scope.get("headers", ()):
         if k == key:
-            return v.decode("latin-1")
+            return str(v.decode("latin-1"))
     return None
 
 

@@ -13,14 +13,8 @@ from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from keepstate.agent.permissions import PermissionDenied, check_enter, for_user
-from keepstate.agent.process import (
-    KEEPALIVE_EVENT,
-    ManagedProcess,
-    ProcessError,
-    ProcessTable,
-    SpawnSpec,
-    start_event,
-)
+from keepstate.agent.process import ManagedProcess, ProcessError, ProcessTable, SpawnSpec
+from keepstate.agent.process_events import KEEPALIVE_EVENT, start_event
 from keepstate.agent.proto.process.process_connect import Process
 from keepstate.agent.proto.process.process_pb import (
     CloseStdinRequest,

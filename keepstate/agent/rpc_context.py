@@ -45,7 +45,7 @@ def deadline_at(ctx: Any, now: float) -> float | None:
     remaining = ctx.timeout_ms  # counted from the request's arrival
     if remaining is None or (ctx.request_headers.get("connect-timeout-ms") or "").strip() in ("", "0"):
         return None
-    return now + max(remaining, 0.0) / 1000.0
+    return float(now + max(remaining, 0.0) / 1000.0)
 
 
 def deadline_exceeded() -> ConnectError:

@@ -19,6 +19,10 @@ import os
 import struct
 import sys
 
+TYPE_CHECKING = False  # typing is not imported at run time: it costs this short-lived program's start
+if TYPE_CHECKING:
+    from typing import Any
+
 SOCKET_ENV = "KEEPSTATE_SUDO_SOCKET"
 DEFAULT_SOCKET = "/run/keepstate/sudo.sock"
 VERSION = "Sudo version 1.9.13p3 (KeepState agent relay)"
@@ -44,7 +48,7 @@ class UsageError(Exception):
     pass
 
 
-def parse_argv(argv: list[str]) -> dict:
+def parse_argv(argv: list[str]) -> dict[str, Any]:
     """sudo's command line → what to ask the agent for (or a local action: help, version, list, no-op)."""
     flags: set[str] = set()
     values: dict[str, str] = {}
@@ -130,7 +134,7 @@ def parse_argv(argv: list[str]) -> dict:
     }
 
 
-def encode_request(request: dict, env: dict[str, str], cwd: str, umask: int) -> bytes:
+def encode_request(request: dict[str, Any], env: dict[str, str], cwd: str, umask: int) -> bytes:
     """NUL-separated tokens (argv and environ cannot contain NUL): `name value` pairs and `name count items...`
     lists; the agent's `sudo_server.decode_request` reads them back."""
     tokens = [PROTOCOL, "user", request["user"], "cwd", cwd, "umask", str(umask),
@@ -162,7 +166,7 @@ def _die_like(sig: int) -> int:
     return 128 + sig
 
 
-def run(request: dict) -> int:
+def run(request: dict[str, Any]) -> int:
     path = os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:

@@ -281,7 +281,7 @@ class _Session:
         })
 
         def on_exit(status: int) -> None:
-            from keepstate.agent.process import exit_info  # lazily: it pulls in protobuf
+            from keepstate.agent.process_events import exit_info  # lazily: it pulls in protobuf
 
             proc.returncode = os.waitstatus_to_exitcode(status)  # keeps Popen from reaping it again
             info = exit_info(status)

@@ -18,7 +18,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from keepstate import netaddr
 from keepstate.apikeys import find as find_key
+from keepstate.builds.service import TemplateBuilds
+from keepstate.builds.uploads import PREFIX as UPLOAD_PREFIX
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db import setup as db_setup
 from keepstate.db.engine import Database
@@ -27,7 +30,6 @@ from keepstate.egress import firewall
 from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import KeepStateError, NotFound, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
-from keepstate.runtime import network
 from keepstate.runtime.base import Runtime
 from keepstate.sandbox.admission import AdmissionConfig
 from keepstate.sandbox.durable import Durability
@@ -36,8 +38,6 @@ from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.secret import SecretStore
 from keepstate.secret.crypto import KEY_FILE, Sealer
 from keepstate.session import EventLog, JournalPoller, Lineage, SessionRecorder
-from keepstate.template.build_service import TemplateBuilds
-from keepstate.template.uploads import PREFIX as UPLOAD_PREFIX
 from keepstate.volume import Volumes
 from keepstate.volume.store import DEFAULT_SIZE_MB
 
@@ -179,7 +179,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     manager = SandboxManager(db, runtime, home=config.home, templates=templates, recorder=recorder, durable=durable,
                              pool_size=config.pool_size, template_pool_size=config.template_pool_size,
                              host_name=socket.gethostname(), gateway=gateway,
-                             gateway_url=f"http://{network.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
+                             gateway_url=f"http://{netaddr.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
                              standby_seconds=config.standby_seconds, standby_mb=config.standby_mb,
                              disk_mb=config.disk_mb, volumes=volumes, admission=config.admission,
                              boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after,
@@ -204,7 +204,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         if is_data_plane(request):
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
-        # A build context's upload URL carries its own signature (template/uploads.py): the SDK sends no API key.
+        # A build context's upload URL carries its own signature (builds/uploads.py): the SDK sends no API key.
         if request.path != "/health" and not request.path.startswith(volume_routes.CONTENT_PREFIX) \
                 and not (request.method == "PUT" and request.path.startswith(UPLOAD_PREFIX)):
             try:
@@ -245,10 +245,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         await template_builds.recover()
         await poller.start()
         if gateway_app is not None and config.runtime != "fake":
-            await asyncio.to_thread(network.ensure_gateway_address)
+            await asyncio.to_thread(netaddr.ensure_gateway_address)
             runner = web.AppRunner(gateway_app, access_log=None)
             await runner.setup()
-            for host in (network.GATEWAY_IP, "127.0.0.1"):
+            for host in (netaddr.GATEWAY_IP, "127.0.0.1"):
                 await web.TCPSite(runner, host, config.gateway_port).start()
             gateway_runner.append(runner)
             await asyncio.to_thread(firewall.open_service, "tcp", config.gateway_port)  # sandboxes may call it

@@ -14,7 +14,6 @@ E2B's rules, from the sandbox's create-time `network` and `lifecycle`:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 
@@ -23,7 +22,7 @@ from aiohttp import web
 from keepstate.egress.policy import Policy
 from keepstate.errors import KeepStateError, NotFound
 from keepstate.ports import AGENT_PORT
-from keepstate.sandbox.manager import DEFAULT_TIMEOUT, SandboxManager
+from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.state import State
 
@@ -58,7 +57,6 @@ class Inbound:
     def __init__(self, manager: SandboxManager) -> None:
         self.manager = manager
         self._policies: dict[str, tuple[dict[str, object], Policy]] = {}
-        self._waking: dict[str, asyncio.Task[None]] = {}
 
     def policy(self, row: SandboxRow) -> Policy:
         """The sandbox's policy, parsed once per stored policy (a network update stores a new dict)."""
@@ -93,17 +91,13 @@ class Inbound:
     async def wake(self, sandbox_id: str) -> web.Response | None:
         """Resume a paused sandbox with autoResume for the request that found it so; None when it runs now (the
         caller routes again), else the answer to give. Concurrent callers wait on one resume."""
-        row = self.manager.records.get(sandbox_id)
+        row = self.manager.table.find(sandbox_id)
         if row is None or row.state not in WAKEABLE:
             return None
         if not row.settings.auto_resume:
             return paused(sandbox_id)
-        task = self._waking.get(sandbox_id)
-        if task is None:
-            task = self._waking[sandbox_id] = asyncio.ensure_future(self._resume(row))
-            task.add_done_callback(self._done)
         try:
-            await asyncio.shield(task)  # a client that gives up does not cancel the resume the others wait on
+            await self.manager.wake(row)
         except NotFound:  # killed meanwhile: the router's own "not found"
             return None
         except KeepStateError as exc:  # refused (a limit, a start queue full): say so, as the API would
@@ -112,15 +106,3 @@ class Inbound:
             return web.json_response({"sandboxId": sandbox_id, "code": 502,
                                       "message": f"The sandbox could not be resumed: {exc}"}, status=502)
         return None
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        sandbox_id = next((k for k, t in self._waking.items() if t is task), None)
-        if sandbox_id is not None:
-            del self._waking[sandbox_id]
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("auto-resume failed: %s", task.exception())
-
-    async def _resume(self, row: SandboxRow) -> None:
-        timeout = row.settings.starting_timeout or DEFAULT_TIMEOUT
-        log.info("traffic for paused sandbox %s: resuming it (autoResume, timeout %d s)", row.sandbox_id, timeout)
-        await self.manager.connect(row.sandbox_id, timeout)

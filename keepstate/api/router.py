@@ -189,7 +189,7 @@ class Router:
         await self.agents.admit(sandbox_id)  # a snapshot or fork in progress: wait for it
         row = self.manager.route(sandbox_id)
         if row is None:
-            known = self.manager.records.get(sandbox_id)
+            known = self.manager.table.find(sandbox_id)
             refused = self.inbound.refuse(request, known, port) if known is not None else None
             answer = refused or await self.inbound.wake(sandbox_id)  # the token first: no stranger wakes it
             if answer is not None:

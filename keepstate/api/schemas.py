@@ -11,10 +11,11 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, overload
 from urllib.parse import unquote
 
+from keepstate.clock import rfc3339
 from keepstate.egress import policy
 from keepstate.errors import BadRequest
 from keepstate.mountpoints import VOLUME_SLOTS
@@ -27,10 +28,6 @@ MIN_CPU, MAX_CPU = 0.01, 64
 MIN_MEMORY_MB, MAX_MEMORY_MB = 64, 65536
 MIN_DISK_MB, MAX_DISK_MB = 64, 1 << 20  # our extension `diskSizeMB`: 64 MiB to 1 TiB
 MAX_FORKS = 20  # as keepstate.sandbox.checkpointing.MAX_FORKS
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 # -- request bodies ----------------------------------------------------------------------

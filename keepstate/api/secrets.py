@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from keepstate.clock import rfc3339
 from keepstate.db.records import SecretRecord
 from keepstate.errors import BadRequest, NotFound
 from keepstate.secret import SecretStore
@@ -27,8 +28,8 @@ def store(request: web.Request) -> SecretStore:
 
 def _info(row: SecretRecord) -> dict[str, Any]:
     return {"secretID": row.secret_id, "name": row.name, "currentVersion": row.current_version,
-            "metadata": row.metadata, "createdAt": schemas.rfc3339(row.created_at),
-            "updatedAt": schemas.rfc3339(row.updated_at)}
+            "metadata": row.metadata, "createdAt": rfc3339(row.created_at),
+            "updatedAt": rfc3339(row.updated_at)}
 
 
 def _body(raw: bytes) -> dict[str, Any]:

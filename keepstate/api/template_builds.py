@@ -1,5 +1,5 @@
 """REST handlers of E2B's template build protocol (docs/design/template-builds.md); the work is in
-keepstate/template/build_service.py. Parse and render only."""
+keepstate/builds/service.py. Parse and render only."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 
 from aiohttp import web
 
+from keepstate.builds.service import DEFAULT_TAG, TAG_RE, TemplateBuilds, split_ref
+from keepstate.builds.steps import is_gzip, parse_spec
+from keepstate.builds.uploads import PREFIX
+from keepstate.clock import rfc3339
 from keepstate.errors import BadRequest, NotFound
-from keepstate.template.build_service import DEFAULT_TAG, TAG_RE, TemplateBuilds, split_ref
-from keepstate.template.steps import is_gzip, parse_spec
-from keepstate.template.uploads import PREFIX
 
 from .keys import API_KEY_ID
-from .schemas import rfc3339
 
 routes = web.RouteTableDef()
 BUILDS: web.AppKey[TemplateBuilds] = web.AppKey("template_builds", TemplateBuilds)

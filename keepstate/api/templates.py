@@ -10,12 +10,12 @@ from typing import Any
 
 from aiohttp import web
 
+from keepstate.clock import rfc3339
 from keepstate.errors import KeepStateError, NotFound
 from keepstate.template.builder import Built
 
 from .control import envd_version, manager
 from .events import LINEAGE
-from .schemas import rfc3339
 
 routes = web.RouteTableDef()
 

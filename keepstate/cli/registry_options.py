@@ -1,6 +1,6 @@
 """`keepstate serve` options for pulling OCI images (docs/design/oci-images.md, "References").
 
-They set the environment the puller reads (keepstate/template/oci_ref.py), so a build worker started by the
+They set the environment the puller reads (keepstate/template/oci/ref.py), so a build worker started by the
 server sees the same settings without threading them through every call.
 """
 
@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import click
 
-from keepstate.template.oci_ref import INSECURE_ENV, MIRROR_ENV, valid_host
+from keepstate.template.oci.ref import INSECURE_ENV, MIRROR_ENV, valid_host
 
 F = TypeVar("F", bound=Callable[..., object])
 

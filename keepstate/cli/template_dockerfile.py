@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
+from keepstate.builds.dockerfile import pack, parse
 from keepstate.errors import NotFound
-from keepstate.template.dockerfile import pack, parse
 
 from .common import RemoteError
 from .sandbox import _OPENER, Api, _default_key

@@ -8,7 +8,7 @@ Base chains (made idempotently by `ensure_base`; a server never touches another 
 
 A slot's chains are rendered by the pure `render_slot` and applied in one `nft -f -` transaction, so a policy change
 is applied at once and never half. Everything a sandbox may not send is rejected (TCP reset, ICMP otherwise), never
-dropped: a connection left half-open blocks its checkpoints (see runtime/network.py install_firewall).
+dropped: a connection left half-open blocks its checkpoints (see install_base).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from keepstate.runtime.network import BASE, GATEWAY_IP, Link
+from keepstate.netaddr import BASE, GATEWAY_IP, Link
 
 from .policy import Net, Policy
 
 TABLE = "inet keepstate"
+CHAIN = "KEEPSTATE-IN"  # iptables chains of releases before nftables, removed at start
+FWD_CHAIN = "KEEPSTATE-FWD"
 # What no policy opens (design: "Always denied"); GATEWAY_IP is in 10.88.0.0/16 but is reached by `input`.
 ALWAYS_DENIED = tuple(ipaddress.IPv4Network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
@@ -175,7 +177,7 @@ def render_base(open_ports: tuple[int, ...] = ()) -> str:
     rules.append(("sandbox_in", f"ip daddr {GATEWAY_IP} udp dport @services_udp accept"))
     if open_ports:
         rules.append(("sandbox_in", f"tcp dport {{ {', '.join(str(p) for p in open_ports)} }} accept"))
-    # Refused at once (a reset), never dropped: see runtime/network.py install_firewall.
+    # Refused at once (a reset), never dropped: see install_base.
     rules += [("sandbox_in", r) for r in _reject("")]
     lines += [f"add rule {t} {chain} {rule}" for chain, rule in rules]
     return "\n".join(lines) + "\n"
@@ -250,3 +252,35 @@ def cut_connections(link: Link) -> None:
 def set_ip_forward() -> None:
     with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
         f.write("1\n")
+
+
+def install_base(open_ports: tuple[int, ...] = ()) -> None:
+    """Filter what sandboxes may send to the host, and forbid forwarding between them (the
+    nftables table `inet keepstate`, whose `input` chain admits only replies, GATEWAY_IP and `open_ports`).
+
+    Rebuilt on every server start so a changed port list takes effect; a slot's egress is opened only when the
+    server attaches it. A TCP connection a sandbox may not make is refused at once (a reset), not dropped: dropped,
+    it would sit half-open in the sandbox (SYN-SENT, retried for about two minutes), and gVisor 20240729 cannot
+    checkpoint a TCP endpoint in the middle of a handshake (it panics in resetConnectionLocked), so every pause,
+    snapshot and fork of that sandbox would fail meanwhile. Refused, the attempt ends within a round trip.
+    """
+    if not available():
+        raise OSError("nft not found: install nftables (scripts/setup-host.sh does)")
+    remove_iptables_chains()
+    ensure_base(open_ports)
+
+
+def remove_iptables_chains() -> None:
+    """The iptables chains of releases before nftables: their FORWARD rule would reject every sandbox's egress."""
+    if shutil.which("iptables") is None:
+        return
+    for parent, chain, flag in (("INPUT", CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-o")):
+        while _ipt("iptables", "-w", "-D", parent, flag, "ksv+", "-j", chain, check=False).returncode == 0:
+            pass
+    for chain in (CHAIN, FWD_CHAIN):
+        if _ipt("iptables", "-w", "-F", chain, check=False).returncode == 0:
+            _ipt("iptables", "-w", "-X", chain, check=False)
+
+
+def _ipt(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)

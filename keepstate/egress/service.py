@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keepstate.runtime import network
-from keepstate.runtime.network import GATEWAY_IP, Link, link_for
+from keepstate import netaddr
+from keepstate.netaddr import GATEWAY_IP, Link, link_for
 
 from . import firewall
 from .ca import CA
@@ -99,11 +99,17 @@ class Egress:
         return system_upstreams()
 
     # -- start and stop -------------------------------------------------------------------------------------------
+    def prepare_host(self, open_ports: tuple[int, ...] = ()) -> None:
+        """The host's base table (firewall.install_base: what sandboxes may send to the host, no forwarding between
+        them), on a real runtime whether or not this server opens egress; blocking. Before the runtime's prepare."""
+        if self.kernel:
+            firewall.install_base(open_ports)
+
     async def start(self) -> None:
-        """After runtime.prepare (the base chains exist) and before adoption (which re-attaches live sandboxes)."""
+        """After prepare_host (the base chains exist) and before adoption (which re-attaches live sandboxes)."""
         if not self.datapath:
             return
-        await asyncio.to_thread(network.ensure_gateway_address)
+        await asyncio.to_thread(netaddr.ensure_gateway_address)
         await asyncio.to_thread(firewall.set_ip_forward)
         await self.resolver.start(GATEWAY_IP)
         await self._start_proxy()
@@ -347,7 +353,7 @@ class Egress:
 
 def _connections() -> list[tuple[str, str, int]]:
     """(sandbox address, destination, port) of every connection sandboxes opened, as the kernel tracks them."""
-    proc = subprocess.run(["conntrack", "-L", "--orig-src", str(network.BASE)], capture_output=True, text=True)
+    proc = subprocess.run(["conntrack", "-L", "--orig-src", str(netaddr.BASE)], capture_output=True, text=True)
     out = []
     for line in proc.stdout.splitlines():
         first: dict[str, str] = {}  # the first src=, dst=, dport= of a line are the original direction's

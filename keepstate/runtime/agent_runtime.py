@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepstate.mountpoints import AGENT_PACKAGE, AGENT_RUNTIME
+from keepstate.rootfs import agent_requirements, rootfs_digest, sandbox_wheel_args
 
 RUNTIME_VERSION = 1  # bump when the layout or what is copied changes: the input key changes with it
 FORMAT = 1  # runtime.json's own version
@@ -62,8 +63,6 @@ class Sources:
 
 
 def default_sources() -> Sources:
-    from keepstate.template.definition import agent_requirements
-
     return Sources(requirements=tuple(agent_requirements()))
 
 
@@ -168,8 +167,6 @@ def ensure(progress: Progress | None = None, sources: Sources | None = None,
 
 
 def tree_digest(path: Path) -> str:
-    from keepstate.template.builder import rootfs_digest
-
     return rootfs_digest(path)
 
 
@@ -286,8 +283,6 @@ def _needed_libs(elf: Path, needed: dict[str, Path], inside: Path) -> list[str]:
 
 
 def _pip(args: Iterable[str]) -> subprocess.CompletedProcess[str]:
-    from keepstate.template.builder import sandbox_wheel_args
-
     cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args, *sandbox_wheel_args()]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
 

@@ -193,7 +193,8 @@ class GVisorRuntime:
         return self._agent_runtime
 
     def prepare(self, open_ports: tuple[int, ...] = ()) -> None:
-        network.install_firewall(open_ports)
+        """The agent runtime, built before the first sandbox. (The host's firewall is the egress datapath's:
+        Egress.prepare_host installs it before this runs.)"""
         self.agent_runtime  # noqa: B018 - built before the first sandbox, not inside a create
 
     # -- helpers -------------------------------------------------------------------

@@ -5,7 +5,8 @@ holds .1, the sandbox .2. Sandboxes cannot reach each other (separate links, no
 forwarding to 10.88.0.0/16), the host's services (an input filter admits only replies and the ports we
 open on purpose, such as the gateway), or 169.254.169.254 (always denied): egress/firewall.py.
 A TCP connection that is not allowed is refused with a reset rather than dropped (see
-install_firewall: a half-open connection would block checkpoints).
+egress/firewall.py install_base: a half-open connection would block checkpoints). Which slot has which names and
+addresses is keepstate/netaddr.py's, shared with the egress datapath.
 """
 
 from __future__ import annotations
@@ -14,45 +15,11 @@ import ipaddress
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 
 from keepstate import pids
+from keepstate.netaddr import BASE, GATEWAY_IP, MAX_SLOTS, Link, link_for
 
-BASE = ipaddress.IPv4Network("10.88.0.0/16")
-# The last /30 is not a slot: its .254 is the metering gateway's fixed address, the same for every
-# sandbox (on the host's loopback), so a base URL in a sandbox stays valid across restores and forks.
-MAX_SLOTS = BASE.num_addresses // 4 - 1
-GATEWAY_IP = str(BASE.broadcast_address - 1)
-CHAIN = "KEEPSTATE-IN"  # iptables chains of earlier releases, removed at start
-FWD_CHAIN = "KEEPSTATE-FWD"
-
-
-@dataclass(frozen=True)
-class Link:
-    slot: int
-    netns: str
-    host_if: str
-    host_ip: str
-    sandbox_ip: str
-
-    @property
-    def netns_path(self) -> str:
-        return f"/run/netns/{self.netns}"
-
-
-def link_for(slot: int) -> Link:
-    """The names and addresses of slot N: pure, so the same slot always means the same link."""
-    if not 0 <= slot < MAX_SLOTS:
-        raise ValueError(f"slot {slot} outside 0..{MAX_SLOTS - 1}")
-    net = int(BASE.network_address) + slot * 4
-    return Link(
-        slot=slot,
-        netns=f"ks{slot}",
-        host_if=f"ksv{slot}",
-        host_ip=str(ipaddress.IPv4Address(net + 1)),
-        sandbox_ip=str(ipaddress.IPv4Address(net + 2)),
-    )
-
+__all__ = ["BASE", "GATEWAY_IP", "MAX_SLOTS", "Link", "link_for"]  # the addresses, from keepstate.netaddr
 
 SLOTS_DIR = "/run/keepstate/slots"
 
@@ -227,39 +194,3 @@ def has_interface(name: str) -> bool:
 
 def exists(link: Link) -> bool:
     return _run("ip", "netns", "pids", link.netns, check=False).returncode == 0
-
-
-def ensure_gateway_address() -> None:
-    """Put GATEWAY_IP on the host's loopback so sandboxes reach it through their own veth."""
-    if GATEWAY_IP not in _run("ip", "-4", "addr", "show", "dev", "lo").stdout:
-        _run("ip", "addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
-
-
-def install_firewall(open_ports: tuple[int, ...] = ()) -> None:
-    """Filter what sandboxes may send to the host, and forbid forwarding between them (egress/firewall.py: the
-    nftables table `inet keepstate`, whose `input` chain admits only replies, GATEWAY_IP and `open_ports`).
-
-    Rebuilt on every server start so a changed port list takes effect; a slot's egress is opened only when the
-    server attaches it. A TCP connection a sandbox may not make is refused at once (a reset), not dropped: dropped,
-    it would sit half-open in the sandbox (SYN-SENT, retried for about two minutes), and gVisor 20240729 cannot
-    checkpoint a TCP endpoint in the middle of a handshake (it panics in resetConnectionLocked), so every pause,
-    snapshot and fork of that sandbox would fail meanwhile. Refused, the attempt ends within a round trip.
-    """
-    from keepstate.egress import firewall
-
-    if not firewall.available():
-        raise OSError("nft not found: install nftables (scripts/setup-host.sh does)")
-    remove_iptables_chains()
-    firewall.ensure_base(open_ports)
-
-
-def remove_iptables_chains() -> None:
-    """The iptables chains of releases before nftables: their FORWARD rule would reject every sandbox's egress."""
-    if shutil.which("iptables") is None:
-        return
-    for parent, chain, flag in (("INPUT", CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-i"), ("FORWARD", FWD_CHAIN, "-o")):
-        while _run("iptables", "-w", "-D", parent, flag, "ksv+", "-j", chain, check=False).returncode == 0:
-            pass
-    for chain in (CHAIN, FWD_CHAIN):
-        if _run("iptables", "-w", "-F", chain, check=False).returncode == 0:
-            _run("iptables", "-w", "-X", chain, check=False)

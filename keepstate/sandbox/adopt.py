@@ -61,7 +61,7 @@ async def adopt(m: SandboxManager) -> None:
         if row.state == State.PAUSED:
             row.runtime_name, row.slot, row.address = "", -1, ""
             await m.rows.put(row)
-            m.records[row.sandbox_id] = row
+            m.table.enter(row)
             continue
         m.slots.adopt(row.slot)
         if row.state == State.RUNNING and row.runtime_name in frozen:
@@ -82,7 +82,7 @@ async def adopt(m: SandboxManager) -> None:
             await asyncio.to_thread(m.runtime.idle_thaw, handle_of(row))
             await m.rows.put(row)
             if row.state == State.RUNNING:
-                m.records[row.sandbox_id] = row
+                m.table.enter(row)
                 try:  # this server's resolver and proxy listen on new ports: the slot's rules name them anew
                     await m.instances.attach(row)
                 except OSError as exc:

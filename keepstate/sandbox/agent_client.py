@@ -4,8 +4,8 @@ journal poller and the data-plane router. It owns the checkpoint quiesce gate.
 The rule it enforces: **no TCP connection may be open into a sandbox while it is checkpointed** (an established
 connection in gVisor's netstack at checkpoint time wedges the agent after a restore, runsc 20240729). So:
 
-- host calls (`health`, `init`, `metrics`, `journal`) use connections that are closed after each call (no
-  keep-alive), and are counted while in flight;
+- host calls (`health`, `init`, `metrics`, `journal`, files, a template build's commands and uploads) use
+  connections that are closed after each call (no keep-alive), and are counted while in flight;
 - the router's proxied requests use one keep-alive pool per sandbox (`proxy_pool`, upstream.py; WebSockets an
   aiohttp session per sandbox, `proxy_session`) and register each in-flight request (`proxying`);
 - `quiesce(sandbox_id, hold)` closes the gate: host calls raise `Quiesced`; router requests wait (hold=True, the
@@ -41,6 +41,7 @@ import aiohttp
 from keepstate.ports import AGENT_PORT
 from keepstate.runtime.base import RuntimeFailure
 
+from . import agent_exec
 from .tcp_table import settled
 from .upstream import Pool
 
@@ -290,6 +291,25 @@ class AgentClient:
                 raise RuntimeFailure(f"agent of {sandbox_id} could not apply its files: {r.status} "
                                      f"{(await r.text())[:300]}")
             return int((await r.json()).get("entries", 0))
+
+    async def run_command(self, sandbox_id: str, address: str, token: str, cmd: str, user: str, env: dict[str, str],
+                          cwd: str | None, on_line: Callable[[str], None]) -> agent_exec.Result:
+        """Run `cmd` with bash as `user` and wait for its end (a template build's step); each output line goes to
+        `on_line`, from a thread."""
+        async with self._call(sandbox_id):
+            return await asyncio.to_thread(agent_exec.run, address, token, cmd, user, env, cwd, on_line)
+
+    async def write_file(self, sandbox_id: str, address: str, token: str, path: str, source: Path) -> None:
+        """Write `source` to `path` in the sandbox as root (`POST /files`, an octet-stream upload)."""
+        async with self._call(sandbox_id) as http:
+            with open(source, "rb") as f:
+                async with http.post(agent_url(address) + "/files", params={"path": path, "username": "root"},
+                                     data=f, headers={"X-Access-Token": token,
+                                                      "Content-Type": "application/octet-stream"},
+                                     timeout=aiohttp.ClientTimeout(total=600)) as r:
+                    if r.status >= 300:
+                        raise RuntimeFailure(f"writing {path} into sandbox {sandbox_id} failed: {r.status} "
+                                             f"{(await r.text())[:300]}")
 
     # -- the router's requests -----------------------------------------------------------------------------------
     async def admit(self, sandbox_id: str, timeout: float = 120) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import shutil
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -35,7 +37,7 @@ from .agent_client import AgentClient
 from .durable import FILES_ARCHIVE, Durability, has_memory, listening_ports
 from .gateway_runs import GatewayRuns
 from .instances import RESTORED_AGENT_TIMEOUT, RESTORED_PORTS_TIMEOUT, Instances, handle_of
-from .record import Instance, SandboxRow
+from .record import Instance, SandboxRow, Settings
 from .state import State
 from .traffic import traffic_token
 
@@ -261,6 +263,22 @@ class Checkpoints:
             await self.instances.reap(fresh, keep_row=True)
             raise
         return fresh
+
+    def paused_row(self, sandbox_id: str) -> SandboxRow | None:
+        """A sandbox this server never saw, whose pause checkpoint is in the shared store."""
+        manifest = self.durable.latest_for_session(sandbox_id)
+        if manifest is None:
+            return None
+        info: dict[str, Any] = json.loads(manifest.meta.labels["sandbox"])
+        settings = Settings.from_json(info["doc"])
+        settings.checkpoint_id = manifest.checkpoint_id
+        settings.standby = settings.retired = None
+        row = SandboxRow(sandbox_id=sandbox_id, state=State.PAUSED, template_id=info["template_id"],
+                         template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
+                         access_token=info["access_token"], started_at=float(info["started_at"]),
+                         end_at=time.time(), cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]),
+                         api_key_id=info.get("api_key_id"), settings=settings)
+        return row
 
     # -- forks and creates from snapshots -----------------------------------------------------------------------
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,

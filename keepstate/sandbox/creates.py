@@ -185,19 +185,17 @@ class Creates:
                                     gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
                                     network=dict(req.network), auto_resume=req.auto_resume,
                                     traffic_token=traffic_token(req.network), starting_timeout=req.timeout)
-            row.state = State.RUNNING
             try:
                 await m.instances.attach(row)
                 env = await m.gateway.env(row)
                 if not ready_token or env != dict(d.env):
                     # Something the pool could not know: this request's env vars, or its gateway token.
                     await m.instances.init_agent(row, env, previous_token=ready_token or None)
-                await m.rows.claim(old_id, row)
+                await m.table.claim(row, lambda: m.rows.claim(old_id, row))
             except BaseException:
                 await m.instances.reap(row, catalog_id=old_id)
                 raise
             m.agents.started(row.sandbox_id)
-            m.records[row.sandbox_id] = row
         await m.recorder.created(row.sandbox_id, row.template_id, row.template_digest, req.metadata, req.timeout,
                                  agent_url=agent_url(row.address), token=row.access_token)
         return row
@@ -278,17 +276,15 @@ class Creates:
             if req.network:
                 s.network = dict(req.network)
                 s.traffic_token = traffic_token(req.network)
-            row.state = State.RUNNING
             try:
                 await m.instances.attach(row)
                 env = await m.gateway.env(row)
                 if env != pool_env:  # this request's env vars: the agent hears them (and its identity again)
                     await m.instances.init_agent(row, env, previous_token=row.access_token, fork=True)
-                await m.rows.put(row)
+                await m.table.claim(row, lambda: m.rows.put(row))
             except BaseException:
                 await m.instances.reap(row)
                 raise
-            m.records[row.sandbox_id] = row
         await m.recorder.forked(held.parent.session_id, row.sandbox_id, held.manifest.checkpoint_id,
                                 agent_url=agent_url(row.address), token=row.access_token)
         return row

@@ -5,8 +5,9 @@ Every INTERVAL it looks at each running (and pooled) sandbox that is quiet: no c
 AgentClient for `after` seconds, none in flight, no command holding its lock, not quiesced. For those it asks the
 agent (`GET /keepstate/idle`, a poll: not activity); if the agent says idle, and the journal poller has pulled
 every entry the agent holds, it closes the router's idle keep-alive connections into it, waits for the closes to
-finish (the host's TCP table, read every SETTLE, for at most SETTLE_MAX), and then — synchronously, with no await
-in between, so no call can start meanwhile — checks again that nothing started, that the host holds no TCP
+finish (the host's TCP table, read every SETTLE, for at most SETTLE_MAX), and then, holding the sandbox's lock
+(taken only if no command holds or awaits it: the freezer gives way to commands) and with no await in between, so
+that no call can start meanwhile, checks again that nothing started, that the host holds no TCP
 connection to the sandbox in any state but TIME_WAIT or CLOSE (a connection closed while the sandbox is frozen
 leaves the host's FIN unacknowledged; killed frozen, the host retransmits it for minutes into the slot's address,
 which the slot's next sandbox inherits), and freezes it.
@@ -164,17 +165,18 @@ class IdleFreezer:
             seconds = looks.backoff
         looks.due = time.monotonic() + seconds
 
-    def _quiet(self, row: SandboxRow, pooled: bool, now: float) -> bool:
-        """Whether nothing runs into the sandbox now and nothing has for `after` seconds (synchronous)."""
+    def _quiet(self, row: SandboxRow, pooled: bool, now: float, held: bool = False) -> bool:
+        """Whether nothing runs into the sandbox now and nothing has for `after` seconds (synchronous). `held`:
+        the freezer holds the sandbox's lock itself (no command can)."""
         sid, agents = row.sandbox_id, self.m.agents
         if sid in self._frozen or not row.runtime_name or not row.address:
             return False
         if pooled:
             if not any(r is row for p in self.m.pools.values() for r in p.ready()):
                 return False
-        elif self.m.records.get(sid) is not row or row.state != State.RUNNING:
+        elif self.m.table.find(sid) is not row or row.state != State.RUNNING:
             return False
-        return (not self.m.command_running(sid) and not agents.quiesced(sid) and not agents.busy(sid)
+        return ((held or not self.m.command_running(sid)) and not agents.quiesced(sid) and not agents.busy(sid)
                 and now - agents.last_active(sid) >= self.after)
 
     async def _consider(self, row: SandboxRow, pooled: bool, limit: asyncio.Semaphore) -> None:
@@ -197,28 +199,34 @@ class IdleFreezer:
                 return
             await self.m.agents.close_pool(sid)
             await self._settled(row.address)
-        # From here to the freeze nothing awaits: no call can start in between.
-        if not self._quiet(row, pooled, time.monotonic()) or self.m.agents.has_pool(sid):
-            return
-        tcp = host_tcp_open(row.address)
-        if tcp:
-            self._hold(sid, f"the host holds TCP connections to it (states {tcp})")
-            self._later(sid, INTERVAL)
-            return
-        handle = handle_of(row)
-        try:
-            self.m.runtime.idle_freeze(handle)
-        except RuntimeFailure as exc:
-            log.warning("freezing idle sandbox %s failed: %s", sid, exc)
-            self._hold(sid, f"the freeze failed: {exc}")
-            self._later(sid)
-            return
-        self._frozen[sid] = _Frozen(handle, row.session_id)
-        if not pooled:
-            self._sessions.add(row.session_id)
-        self._looks.pop(sid, None)  # looked at afresh once thawed
-        self.froze += 1
-        log.debug("froze idle sandbox %s (%s)", sid, row.runtime_name)
+        # The freeze holds the sandbox's lock, taken only if no command holds or awaits it: a command that comes
+        # meanwhile waits for the freeze and finds the sandbox frozen (its calls thaw it). Calls and proxied
+        # requests take no lock: from the look below to the freeze nothing awaits, so none can start in between.
+        async with self.m.table.try_lock(sid) as held:
+            if not held:
+                self._hold(sid, "a command holds it")
+                return
+            if not self._quiet(row, pooled, time.monotonic(), held=True) or self.m.agents.has_pool(sid):
+                return
+            tcp = host_tcp_open(row.address)
+            if tcp:
+                self._hold(sid, f"the host holds TCP connections to it (states {tcp})")
+                self._later(sid, INTERVAL)
+                return
+            handle = handle_of(row)
+            try:
+                self.m.runtime.idle_freeze(handle)
+            except RuntimeFailure as exc:
+                log.warning("freezing idle sandbox %s failed: %s", sid, exc)
+                self._hold(sid, f"the freeze failed: {exc}")
+                self._later(sid)
+                return
+            self._frozen[sid] = _Frozen(handle, row.session_id)
+            if not pooled:
+                self._sessions.add(row.session_id)
+            self._looks.pop(sid, None)  # looked at afresh once thawed
+            self.froze += 1
+            log.debug("froze idle sandbox %s (%s)", sid, row.runtime_name)
 
     async def _settled(self, address: str) -> None:
         """Until the host holds no TCP connection to `address` but closed ones, or SETTLE_MAX passes: the sandbox

@@ -36,7 +36,7 @@ async def expire_loop(m: SandboxManager) -> None:
     while True:
         now = time.time()
         for row in m.running():
-            if row.state == State.RUNNING and row.end_at <= now and not m.lock(row.sandbox_id).locked():
+            if row.state == State.RUNNING and row.end_at <= now and not m.command_running(row.sandbox_id):
                 try:
                     await m.expire(row.sandbox_id)
                 except KeepStateError:
@@ -73,7 +73,7 @@ async def metrics_loop(m: SandboxManager) -> None:
                 log.debug("metrics of %s: %s", row.sandbox_id, exc)
                 continue
             if sample is None:
-                if not m.lock(row.sandbox_id).locked():  # a command holds it: it will know
+                if not m.command_running(row.sandbox_id):  # a command holds it: it will know
                     await m.died(row.sandbox_id, row.runtime_name)
             elif sample:
                 sample["networkTxBytes"], sample["networkRxBytes"] = net.get(row.sandbox_id, (0, 0))

@@ -1,10 +1,10 @@
-"""The sandbox manager: the one owner of sandboxes' records, executing lifecycle commands (state.py).
+"""The sandbox manager: the lifecycle commands' bodies, run by the sandbox table's executor (table.py).
 
-Every command on an existing sandbox runs inside `_command(sandbox_id, Command.X)`: the sandbox's lock is taken,
-its *current* record is read, the command is checked against the state table, and only then does it act. So
-concurrent commands on one sandbox are serialised, an illegal one is refused with a JSON 409 (or 404 once it is
-gone), and none acts on a record another command changed. While a command works, the record shows a transient
-state (PAUSING, CHECKPOINTING, RESUMING), which readers (list, info, router) see.
+Every command on an existing sandbox runs inside `table.command(sandbox_id, Command.X)`: the sandbox's lock is
+taken, its *current* record is read, (command, state) is looked up in state.TRANSITIONS, the transient state is
+written, and only then does the body here act; the executor writes the state on success or failure. So concurrent
+commands on one sandbox are serialised, an illegal one is refused with a JSON 409 (or 404 once it is gone), and
+none acts on a record another command changed. Nothing here writes a sandbox's state itself.
 
 Every transition is written to the catalog before it is visible to clients, so a server restarted after SIGKILL
 re-adopts sandboxes from the catalog and the runtime's own state (adopt.py).
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import weakref
+import types
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ from keepstate.db.repos import Keys
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import BadRequest, NotFound, Unsupported
+from keepstate.errors import BadRequest, Conflict, NotFound, Unsupported
 from keepstate.runtime.base import Runtime
 from keepstate.session import SessionRecorder
 from keepstate.session.journal import JournalBusy
@@ -48,11 +47,12 @@ from .gateway_runs import GatewayRuns
 from .idle import DEFAULT_AFTER, IdleFreezer
 from .instances import Instances, handle_of
 from .pool import Pool
-from .record import Instance, SandboxRow, Settings
+from .record import Instance, SandboxRow
 from .rows import SandboxRows
 from .slots import Slots
 from .standby import StandbyCache
-from .state import Command, State, listed, require
+from .state import Command, State, listed
+from .table import SandboxTable, Step
 from .templates import Templates
 
 if TYPE_CHECKING:
@@ -60,6 +60,10 @@ if TYPE_CHECKING:
     from keepstate.secret import SecretStore
 
 log = logging.getLogger("keepstate.sandbox")
+
+
+class _NotDead(Exception):
+    """died(): the instance is alive after all, or another one took its place."""
 
 # Running, or on its way to or from it: a place of its API key's and an instance on the host.
 ACTIVE = (State.RUNNING, State.CHECKPOINTING, State.PAUSING, State.RESUMING)
@@ -94,7 +98,7 @@ class SandboxManager:
         self.slots = Slots(runtime.slots, str(home))
         self.volumes = volumes
         # Without one (tests of the manager alone): policies are remembered, nothing leaves.
-        self.egress = egress or Egress(home, EgressConfig(enabled=False), datapath=False)
+        self.egress = egress or Egress(home, EgressConfig(enabled=False), datapath=runtime.kind != "fake")
         self.egress.on_host = self._egress_host
         admission = admission or AdmissionConfig()
         self.instances = Instances(self.rows, runtime, self.slots, self.agents, templates,
@@ -106,22 +110,22 @@ class SandboxManager:
         self.checkpoints = Checkpoints(self.instances, durable, recorder, self.agents, self.gateway, runtime,
                                        host_name)
         self.standbys = StandbyCache(standby_seconds, standby_mb)
-        self.records: dict[str, SandboxRow] = {}  # every listed sandbox (running, paused, transient), by ID
+        self.table = SandboxTable(self.rows)  # the one writer of sandboxes' records and states
         self.pools: dict[str, Pool] = {}
         self.metrics: dict[str, deque[dict[str, Any]]] = {}
-        # Weak: a sandbox's lock lives while a command holds or awaits it, so killed sandboxes leave none behind.
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
+        self._waking: dict[str, asyncio.Task[tuple[SandboxRow, bool]]] = {}  # autoResume's resumes, by sandbox ID
         self.creates = Creates(self)
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
-        # Built templates (template/build_service.py) resolve here like snapshots: ref -> a snapshot-shaped dict.
+        # Built templates (builds/service.py) resolve here like snapshots: ref -> a snapshot-shaped dict.
         self.template_resolver: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
         await self.agents.start()
+        await asyncio.to_thread(self.egress.prepare_host, open_ports)
         await asyncio.to_thread(self.runtime.prepare, open_ports)
         await self.egress.start()  # before adoption, which re-attaches live sandboxes to this resolver and proxy
         await adopt.adopt(self)
@@ -152,11 +156,12 @@ class SandboxManager:
         self.idle.wake_all()  # what the next server adopts runs (any server, of any release, can then reach it)
         if reap:
             rows = [r for p in self.pools.values() for r in p.drain()]
-            rows += [r for r in self.records.values() if r.runtime_name]
+            rows += [r for r in self.table.all() if r.runtime_name]
             await asyncio.gather(*(self.instances.reap(r) for r in rows), return_exceptions=True)
             await asyncio.gather(*(self._release_standby(s, "server stops") for s in self.standbys.ids()),
                                  return_exceptions=True)
-            self.records.clear()
+            self.table.drop()
+        await self.table.close()
         await self.instances.drain()
         await self.instances.teardowns.stop()
         await self.egress.stop()
@@ -165,35 +170,33 @@ class SandboxManager:
     def pool(self, built: Built) -> Pool:
         return self.creates.pool(built)
 
-    # -- reading ------------------------------------------------------------------------------------------------
+    # -- reading (the table's query methods) --------------------------------------------------------------------
+    @property
+    def records(self) -> Mapping[str, SandboxRow]:
+        """Every sandbox of the table's, by ID: read-only."""
+        return types.MappingProxyType(self.table._records)
+
     def get(self, sandbox_id: str) -> SandboxRow:
-        row = self.records.get(sandbox_id)
-        if row is None or not listed(row.state):
-            raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-        return row
+        return self.table.get(sandbox_id)
 
     def listed(self) -> list[SandboxRow]:
-        return [r for r in self.records.values() if listed(r.state)]
+        return self.table.listed()
 
     def running(self) -> list[SandboxRow]:
-        return [r for r in self.records.values() if r.state in (State.RUNNING, State.CHECKPOINTING)]
+        return self.table.running()
 
     def route(self, sandbox_id: str) -> SandboxRow | None:
-        """The sandbox a data-plane request may reach now, or None (the router answers 502)."""
-        row = self.records.get(sandbox_id)
-        if row is None or row.state not in (State.RUNNING, State.CHECKPOINTING) or not row.address:
-            return None
-        return row
+        return self.table.route(sandbox_id)
 
     # -- places (admission.py): what holds one now ------------------------------------------------------------
     def _on_host(self) -> int:
         """Instances on this host: listed sandboxes that have one (a standby too), pooled ones ready or starting."""
-        held = sum(1 for r in self.records.values() if r.state in ACTIVE
+        held = sum(1 for r in self.table if r.state in ACTIVE
                    or (r.state == State.PAUSED and r.settings.standby is not None))
         return held + sum(len(p) + p.starting for p in self.pools.values())
 
     def _running_of(self, key_id: str) -> int:
-        return sum(1 for r in self.records.values() if r.api_key_id == key_id and r.state in ACTIVE)
+        return sum(1 for r in self.table if r.api_key_id == key_id and r.state in ACTIVE)
 
     def _key_limit(self, key_id: str) -> tuple[str, int | None]:
         return self._key_limits.get(key_id, (key_id, None))
@@ -221,41 +224,20 @@ class SandboxManager:
         """The newest sample of each of these sandboxes that is listed and has one; the others are left out."""
         out: dict[str, dict[str, Any]] = {}
         for sandbox_id in sandbox_ids:
-            row, samples = self.records.get(sandbox_id), self.metrics.get(sandbox_id)
+            row, samples = self.table.find(sandbox_id), self.metrics.get(sandbox_id)
             if row is not None and listed(row.state) and samples:
                 out[sandbox_id] = samples[-1]
         return out
 
-    # -- the command gate ---------------------------------------------------------------------------------------
     def command_running(self, sandbox_id: str) -> bool:
         """Whether a lifecycle command holds or awaits the sandbox's lock."""
-        lock = self._locks.get(sandbox_id)
-        return lock is not None and lock.locked()
-
-    def lock(self, sandbox_id: str) -> asyncio.Lock:
-        lock = self._locks.get(sandbox_id)
-        if lock is None:
-            lock = self._locks[sandbox_id] = asyncio.Lock()
-        return lock
-
-    @contextlib.asynccontextmanager
-    async def _command(self, sandbox_id: str, command: Command) -> AsyncIterator[SandboxRow]:
-        async with self.lock(sandbox_id):
-            row = self.records.get(sandbox_id)
-            if row is None:
-                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-            require(command, row.state, sandbox_id)
-            yield row
-
-    async def _set(self, row: SandboxRow, state: State) -> None:
-        row.state = state
-        await self.rows.put(row)
+        return self.table.command_running(sandbox_id)
 
     # -- create -------------------------------------------------------------------------------------------------
     def volume_users(self, volume_id: str) -> list[str]:
         """The listed sandboxes (running, paused, on their way) that mount a volume."""
-        return [r.sandbox_id for r in self.records.values()
-                if listed(r.state) and any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
+        return [r.sandbox_id for r in self.table.listed()
+                if any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
 
     async def check_secrets(self, policy: Policy) -> None:
         """A policy may name only secrets that exist (a 400 otherwise: nothing is created or changed)."""
@@ -281,19 +263,20 @@ class SandboxManager:
     # -- commands on one sandbox --------------------------------------------------------------------------------
     async def update_network(self, sandbox_id: str, body: Any) -> None:
         """`PUT /sandboxes/{id}/network`: the egress policy replaced whole, applied at once."""
-        async with self._command(sandbox_id, Command.NETWORK_UPDATE) as row:
+        async with self.table.command(sandbox_id, Command.NETWORK_UPDATE) as step:
+            row = step.row
             policy = row.settings.policy.updated(body)  # BadRequest: nothing changed
             await self.check_secrets(policy)
             await asyncio.to_thread(self.egress.update, row.slot, row.sandbox_id, policy)
             row.settings.network = policy.to_json()
             if isinstance(body, dict) and ("allow_internet_access" in body or "allowInternetAccess" in body):
                 row.settings.allow_internet_access = policy.allow_internet_access
-            await self.rows.put(row)
+            await self.table.save(row)
             await self.recorder.record(row.session_id, "sandbox.network.update", {"network": policy.to_wire()})
 
     def _egress_host(self, sandbox_id: str, data: dict[str, Any]) -> None:
         """The first connection of a sandbox to a host: a history event (written once the caller has gone on)."""
-        row = self.records.get(sandbox_id)
+        row = self.table.find(sandbox_id)
         if row is not None:
             self.instances.in_background(self._egress_host_event(row.session_id, data))
 
@@ -304,85 +287,107 @@ class SandboxManager:
             log.warning("egress.host event for %s: %s", session_id, exc)
 
     async def set_timeout(self, sandbox_id: str, seconds: int) -> None:
-        async with self._command(sandbox_id, Command.SET_TIMEOUT) as row:
+        async with self.table.command(sandbox_id, Command.SET_TIMEOUT) as step:
+            row = step.row
             row.end_at = time.time() + max(0, seconds)
-            await self.rows.put(row)
+            await self.table.save(row)
             await self.recorder.record(row.session_id, "sandbox.timeout.set", {"timeout": seconds})
             if seconds <= 0:
-                await self._expire(row)
+                async with step.then(Command.EXPIRE) as expiring:
+                    await self._expire(expiring)
 
     async def expire(self, sandbox_id: str) -> None:
         """Its end time passed (the expiry loop): kill it, or pause it if it asked for autoPause."""
-        async with self._command(sandbox_id, Command.EXPIRE) as row:
-            if row.end_at <= time.time():
-                await self._expire(row)
+        async with self.table.command(sandbox_id, Command.EXPIRE) as step:
+            if step.row.end_at <= time.time():
+                await self._expire(step)
 
-    async def _expire(self, row: SandboxRow) -> None:
+    async def _expire(self, step: Step) -> None:
+        row = step.row
         if row.settings.auto_pause:
             files_only = not row.settings.auto_pause_memory and bool(row.settings.disk_mb)
             log.info("sandbox %s reached its timeout; pausing it (autoPause%s)", row.sandbox_id,
                      ", files only" if files_only else "")
             try:
-                await self._pause(row, memory=not files_only)
+                async with step.then(Command.PAUSE_FILESYSTEM if files_only else Command.PAUSE) as pausing:
+                    await self._pause(pausing, memory=not files_only)
                 return
             except Exception as exc:  # never lose it silently: a failed pause leaves it running
                 log.error("auto-pause of %s failed: %s; keeping it running for 60 s more", row.sandbox_id, exc)
                 row.end_at = time.time() + 60
-                await self.rows.put(row)
+                await self.table.save(row)
                 return
         log.info("sandbox %s reached its timeout", row.sandbox_id)
-        await self._kill_running(row, "timeout")
+        async with step.then(Command.KILL) as killing:
+            await self._kill_running(killing, "timeout")
 
     async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
         """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes."""
         await self._known(sandbox_id)
-        async with self._command(sandbox_id, Command.CONNECT) as row:
-            if row.state == State.RUNNING:
+        async with self.table.command(sandbox_id, Command.CONNECT, admit=self._admit_resume) as step:
+            row = step.row
+            if step.origin == State.RUNNING:
                 await self._keep_alive(row, timeout)
                 await self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
                 return row, False
-            await self._resume(row, timeout)
+            await self._resume(step, timeout)
             return row, True
 
     async def resume(self, sandbox_id: str, timeout: int, auto_pause: bool | None = None) -> SandboxRow:
         """E2B's older resume: a paused sandbox only (a running one is a 409); `auto_pause`, when given, is what
         its next timeout does."""
         await self._known(sandbox_id)
-        async with self._command(sandbox_id, Command.RESUME) as row:
-            await self._resume(row, timeout)
+        async with self.table.command(sandbox_id, Command.RESUME, admit=self._admit_resume) as step:
+            await self._resume(step, timeout)
             if auto_pause is not None:
-                row.settings.auto_pause = auto_pause
-                await self.rows.put(row)
-            return row
+                step.row.settings.auto_pause = auto_pause
+                await self.table.save(step.row)
+            return step.row
+
+    async def wake(self, row: SandboxRow) -> None:
+        """Resume a paused sandbox with autoResume for traffic that found it so: concurrent callers wait on one
+        resume, which a caller that gives up does not cancel."""
+        task = self._waking.get(row.sandbox_id)
+        if task is None:
+            timeout = row.settings.starting_timeout or DEFAULT_TIMEOUT
+            log.info("traffic for paused sandbox %s: resuming it (autoResume, timeout %d s)", row.sandbox_id, timeout)
+            task = self._waking[row.sandbox_id] = asyncio.ensure_future(self.connect(row.sandbox_id, timeout))
+            task.add_done_callback(lambda _: self._waking.pop(row.sandbox_id, None))
+        await asyncio.shield(task)
 
     async def refresh(self, sandbox_id: str, seconds: int) -> None:
         """Keep a running sandbox alive `seconds` from now; its end time is extended, never shortened."""
-        async with self._command(sandbox_id, Command.REFRESH) as row:
-            await self._keep_alive(row, seconds)
-            await self.recorder.record(row.session_id, "sandbox.refresh", {"duration": seconds})
+        async with self.table.command(sandbox_id, Command.REFRESH) as step:
+            await self._keep_alive(step.row, seconds)
+            await self.recorder.record(step.row.session_id, "sandbox.refresh", {"duration": seconds})
 
     async def _keep_alive(self, row: SandboxRow, seconds: int) -> None:
         row.end_at = max(row.end_at, time.time() + seconds)
-        await self.rows.put(row)
+        await self.table.save(row)
 
     async def _known(self, sandbox_id: str) -> None:
         """Load a sandbox unknown here whose pause checkpoint is in the (shared) store; NotFound if there is none."""
-        if sandbox_id not in self.records:
-            async with self.lock(sandbox_id):
-                if sandbox_id not in self.records:
-                    row = await asyncio.to_thread(self._row_from_store, sandbox_id)
-                    if row is None:
-                        raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-                    await self.rows.put(row)
-                    await self._record_session(row)
-                    self.records[sandbox_id] = row
+        if sandbox_id in self.table:
+            return
+        async with self.table.lock(sandbox_id):
+            if sandbox_id in self.table:
+                return
+            row = await asyncio.to_thread(self.checkpoints.paused_row, sandbox_id)
+            if row is None:
+                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
+            await self.rows.put(row)
+            self.table.enter(row)
+            await self._record_session(row)
 
-    async def _resume(self, row: SandboxRow, timeout: int) -> None:
-        # It runs again: a place of its key's, and a new instance unless its standby thaws. RESUMING holds them
-        # from this same step on.
-        await self._read_key_limit(row.api_key_id)
-        self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
-        await self._set(row, State.RESUMING)
+    async def _admit_resume(self, row: SandboxRow) -> None:
+        """A paused sandbox runs again: a place of its key's, and a new instance unless its standby thaws. Looked
+        at before RESUMING, which holds them from then on."""
+        if row.state == State.PAUSED:
+            await self._read_key_limit(row.api_key_id)
+            self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
+
+    async def _resume(self, step: Step, timeout: int) -> None:
+        row = step.row
         source = "store"
         try:
             standby = row.settings.standby
@@ -395,31 +400,31 @@ class SandboxManager:
                 await self.checkpoints.restore(row, timeout, pooled=self.creates.pooled)
         except BaseException:
             row.runtime_name, row.slot, row.address = "", -1, ""
-            await self._set(row, State.PAUSED)
             raise
         row.settings.files_only = False
-        await self._set(row, State.RUNNING)
+        await step.done()
         assert row.settings.checkpoint_id is not None
         await self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
                                     agent_url=agent_url(row.address), token=row.access_token, source=source)
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> str:
-        async with self._command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM) as row:
-            return await self._pause(row, memory)
+        async with self.table.command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM,
+                                      admit=self._admit_pause if not memory else None) as step:
+            return await self._pause(step, memory)
 
-    async def _pause(self, row: SandboxRow, memory: bool = True) -> str:
-        """Checkpoint the sandbox and stop its instance. Without memory only its files are kept, the instance is
-        torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md)."""
-        if not memory and not row.settings.disk_mb:
+    async def _admit_pause(self, row: SandboxRow) -> None:
+        if not row.settings.disk_mb:
             raise Unsupported(f"sandbox {row.sandbox_id} keeps its files in memory (it was started by a release "
                               "before the disk): it can only pause with memory")
-        await self._set(row, State.PAUSING)
+
+    async def _pause(self, step: Step, memory: bool = True) -> str:
+        """Checkpoint the sandbox and stop its instance. Without memory only its files are kept, the instance is
+        torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md)."""
+        row = step.row
+        if not memory:
+            await self._admit_pause(row)
         self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
-        try:
-            manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
-        except BaseException:
-            await self._set(row, State.RUNNING)
-            raise
+        manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
         instance = row.instance()
         await asyncio.to_thread(self.egress.detach, row.slot, row.sandbox_id)  # a paused sandbox sends nothing
         row.settings.checkpoint_id = manifest.checkpoint_id
@@ -436,7 +441,7 @@ class SandboxManager:
             row.settings.retired = instance
         retired = row.with_instance(instance)
         row.runtime_name, row.address, row.slot = "", "", -1
-        await self._set(row, State.PAUSED)
+        await step.done()
         await self.recorder.paused(row.session_id, manifest.checkpoint_id, memory)
         if row.settings.retired is not None:
             self.instances.in_background(self._retire(row.sandbox_id, retired))
@@ -445,24 +450,20 @@ class SandboxManager:
     async def _retire(self, sandbox_id: str, instance_row: SandboxRow) -> None:
         """Tear down an instance a pause stopped (or a released standby), then forget it in the record."""
         await self.instances.reap(instance_row, keep_row=True)
-        async with self.lock(sandbox_id):
-            row = self.records.get(sandbox_id)
+        async with self.table.amend(sandbox_id) as row:
             if row is not None and row.settings.retired is not None \
                     and row.settings.retired.name == instance_row.runtime_name:
                 row.settings.retired = None
-                await self.rows.put(row)
 
     async def _release_standby(self, sandbox_id: str, why: str) -> None:
         """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
-        async with self.lock(sandbox_id):
+        async with self.table.amend(sandbox_id) as row:
             self.standbys.discard(sandbox_id)
-            row = self.records.get(sandbox_id)
             if row is None or row.state != State.PAUSED or row.settings.standby is None:
                 return
             log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
             standby, row.settings.standby = row.settings.standby, None
             row.settings.retired = standby  # until it is gone: a server killed meanwhile reaps it on start
-            await self.rows.put(row)
         await self._retire(sandbox_id, row.with_instance(standby))
 
     async def trim_standbys(self) -> None:
@@ -472,40 +473,38 @@ class SandboxManager:
     async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
         if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
             raise BadRequest("`name` must be a non-empty string of at most 128 characters")
-        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
-            manifest = await self._checkpoint_running(row, "snapshot")
+        async with self.table.command(sandbox_id, Command.SNAPSHOT) as step:
+            manifest = await self._capture(step, "snapshot")
+            row = step.row
         snapshot_id = f"snapshot-{manifest.checkpoint_id.lower()}"
         names = [name.strip()] if name else [snapshot_id]
         await self.rows.put_snapshot(snapshot_id, names, manifest.checkpoint_id, sandbox_id, row.template_id)
         return {"snapshotID": snapshot_id, "names": names}
 
-    async def _checkpoint_running(self, row: SandboxRow, kind: str) -> Manifest:
-        await self._set(row, State.CHECKPOINTING)
-        try:
-            manifest = await self.checkpoints.take(row, kind)
-            row.settings.checkpoint_id = manifest.checkpoint_id
-        finally:
-            await self._set(row, State.RUNNING)
+    async def _capture(self, step: Step, kind: str) -> Manifest:
+        """A running sandbox's checkpoint (it runs on): its transition is CHECKPOINTING -> RUNNING."""
+        manifest = await self.checkpoints.take(step.row, kind)
+        step.row.settings.checkpoint_id = manifest.checkpoint_id
         return manifest
 
     async def checkpoint(self, sandbox_id: str) -> str:
         """A snapshot's checkpoint with no snapshot record: a template build's layers and templates, which the
         build service names itself (docs/design/template-builds.md)."""
-        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
-            manifest = await self._checkpoint_running(row, "snapshot")
+        async with self.table.command(sandbox_id, Command.CHECKPOINT) as step:
+            manifest = await self._capture(step, "snapshot")
         return manifest.checkpoint_id
 
     async def set_defaults(self, sandbox_id: str, user: str, workdir: str, env: dict[str, str],
                            metadata: dict[str, str] | None = None) -> None:
         """A running sandbox's default user, workdir and env, in its record (which its checkpoints carry to every
         sandbox made from them) and in its agent: a template build's finish. `metadata` is added to its own (a
-        checkpoint's label carries it: what lets another server sharing the store find a template). Legal where a
-        snapshot is."""
-        async with self._command(sandbox_id, Command.SNAPSHOT) as row:
+        checkpoint's label carries it: what lets another server sharing the store find a template)."""
+        async with self.table.command(sandbox_id, Command.SET_DEFAULTS) as step:
+            row = step.row
             row.settings.user, row.settings.workdir = user, workdir
             row.settings.metadata.update(metadata or {})
             row.settings.template_env = {**row.settings.template_env, **env}
-            await self.rows.put(row)
+            await self.table.save(row)
             await self.instances.init_agent(row, await self.gateway.env(row), previous_token=row.access_token)
 
     async def find_snapshot(self, ref: str) -> dict[str, Any] | None:
@@ -518,85 +517,69 @@ class SandboxManager:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
         with contextlib.ExitStack() as places:
-            async with self._command(sandbox_id, Command.FORK) as row:
-                await self._read_key_limit(row.api_key_id)
+            async with self.table.command(sandbox_id, Command.FORK) as step:
+                await self._read_key_limit(step.row.api_key_id)
                 # All the children's places or none, before the parent is checkpointed.
-                places.enter_context(self.places.reserve(row.api_key_id, host=count, key=count))
-                manifest = await self._checkpoint_running(row, "fork")
-                parent = row.copy()
+                places.enter_context(self.places.reserve(step.row.api_key_id, host=count, key=count))
+                manifest = await self._capture(step, "fork")
+                parent = step.row.copy()
             return await self.spawn(manifest, parent, count, timeout)
 
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
                      api_key_id: str | None = None) -> list[Spawned]:
+        """Start `count` sandboxes from a checkpoint: each is born running (its row written by the restore)."""
         results = await self.checkpoints.spawn(manifest, parent, count, timeout, api_key_id)
         for r in results:
             if r.row is not None:
-                self.records[r.row.sandbox_id] = r.row
+                self.table.enter(r.row)
                 await self.recorder.forked(parent.session_id, r.row.sandbox_id, manifest.checkpoint_id,
                                            agent_url=agent_url(r.row.address), token=r.row.access_token)
         return results
 
     async def kill(self, sandbox_id: str, reason: str = "kill") -> None:
-        async with self._command(sandbox_id, Command.KILL) as row:
-            if row.state == State.PAUSED:
-                await self._kill_paused(row)
+        async with self.table.command(sandbox_id, Command.KILL) as step:
+            if step.origin == State.PAUSED:
+                await self._kill_paused(step)
             else:
-                await self._kill_running(row, reason)
+                await self._kill_running(step, reason)
 
     async def died(self, sandbox_id: str, runtime_name: str) -> None:
         """The metrics loop found the instance gone (OOM kill, crash): record it dead, if it still is that one."""
-        with contextlib.suppress(NotFound):
-            async with self._command(sandbox_id, Command.KILL) as row:
-                if row.state != State.RUNNING or row.runtime_name != runtime_name:
-                    return  # paused, resumed or replaced meanwhile: not ours to declare dead
-                if await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
-                    return
+        async def still_gone(row: SandboxRow) -> None:
+            if row.runtime_name != runtime_name or await asyncio.to_thread(self.runtime.is_alive, handle_of(row)):
+                raise _NotDead  # resumed or replaced meanwhile, or alive after all: not ours to declare dead
+        with contextlib.suppress(NotFound, Conflict, _NotDead):
+            async with self.table.command(sandbox_id, Command.DIED, admit=still_gone) as step:
                 log.warning("sandbox %s died (its instance is gone: out of memory or a crash)", sandbox_id)
-                await self._kill_running(row, "died")
+                await self._kill_running(step, "died")
 
-    async def _kill_running(self, row: SandboxRow, reason: str) -> None:
-        """Unreachable at once; the teardown (a second or two) runs in the background, recorded before the answer."""
-        self.records.pop(row.sandbox_id, None)
+    async def _kill_running(self, step: Step, reason: str) -> None:
+        """Unreachable at once (KILLING); the teardown (a second or two) runs in the background, recorded before
+        the answer: the row goes and its teardown is recorded in one transaction, the retry loop tears it down."""
+        row = step.row
+        await self.instances.reap_later(row.copy())
+        await step.done()
         self.idle.forget(row.sandbox_id)  # left frozen: its teardown kills, then thaws
         self.agents.forget(row.sandbox_id)
-        row.state = State.KILLED
         self.agents.abort(row.sandbox_id)
-        # The row goes and its teardown is recorded in one transaction; the retry loop tears it down (due at once).
-        await self.instances.reap_later(row.copy())
         await self.recorder.killed(row.session_id, reason)
         await self.gateway.end(row)
         self.metrics.pop(row.sandbox_id, None)
         self.egress.forget(row.sandbox_id)
 
-    async def _kill_paused(self, row: SandboxRow) -> None:
-        self.records.pop(row.sandbox_id, None)
-        self.standbys.discard(row.sandbox_id)
+    async def _kill_paused(self, step: Step) -> None:
+        row = step.row
         if row.settings.standby is not None:  # the row goes with its standby's teardown recorded, together
             await self.instances.reap_later(row.with_instance(row.settings.standby))
         else:  # a retired instance has its teardown under way already
             await self.rows.delete(row.sandbox_id)
-        row.state = State.KILLED
+        await step.done()
+        self.standbys.discard(row.sandbox_id)
         self.egress.forget(row.sandbox_id)
         await self.gateway.end(row)
         await self.recorder.killed(row.session_id, "kill")
 
     # -- shared store ---------------------------------------------------------------------------------------------
-    def _row_from_store(self, sandbox_id: str) -> SandboxRow | None:
-        """A sandbox this server never saw, whose pause checkpoint is in the shared store."""
-        manifest = self.durable.latest_for_session(sandbox_id)
-        if manifest is None:
-            return None
-        info: dict[str, Any] = json.loads(manifest.meta.labels["sandbox"])
-        settings = Settings.from_json(info["doc"])
-        settings.checkpoint_id = manifest.checkpoint_id
-        settings.standby = settings.retired = None
-        row = SandboxRow(sandbox_id=sandbox_id, state=State.PAUSED, template_id=info["template_id"],
-                         template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
-                         access_token=info["access_token"], started_at=float(info["started_at"]),
-                         end_at=time.time(), cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]),
-                         api_key_id=info.get("api_key_id"), settings=settings)
-        return row
-
     async def _record_session(self, row: SandboxRow) -> None:
         """The session of a sandbox loaded from the store, if this server's history has not got it yet."""
         if await self.recorder.lineage.session(row.session_id) is None:

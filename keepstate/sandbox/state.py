@@ -1,4 +1,4 @@
-"""A sandbox's lifecycle, written down once: its states, the commands, and which command is legal in which state.
+"""A sandbox's lifecycle, written down once: its states, the commands, and where each command leads.
 
     (pool) --claim--> RUNNING --kill / timeout--> KILLED (row deleted)
     create (cold) -----^  |  ^
@@ -8,16 +8,20 @@
     RUNNING --snapshot--> RUNNING (+ a snapshot usable as templateID)
     RUNNING --fork(n)-->  RUNNING (+ n new sandboxes)
 
-Every command on one sandbox runs under that sandbox's lock (SandboxManager.command), which
-re-reads the sandbox's record and checks it against LEGAL before acting; so two commands on one
-sandbox are serialised, and none acts on a record another command has already changed. The
-transient states (PAUSING, RESUMING, CHECKPOINTING, KILLING) are what other readers (the list, the
-info call, the router) see while a command holds the lock. Pure: no I/O, imported by the catalog.
+TRANSITIONS maps (command, state) to (transient state, state on success, state on failure). The one executor of it
+is SandboxTable.command (table.py): under the sandbox's lock it re-reads the record, looks the pair up (a pair not
+in the table is refused: 404 for a sandbox that is gone, else a 409 naming both), writes the transient state, runs
+the command's body, and writes the state on success or on failure. So two commands on one sandbox are serialised,
+and none acts on a record another command has already changed; the transient states are what other readers (the
+list, the info call, the router) see meanwhile. A command that decides on its way to become another (a timeout that
+pauses or kills, a zero timeout that expires) hands over to that command's own transition (`Step.then`): no
+command borrows another's name. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from keepstate.errors import Conflict, NotFound
 
@@ -47,25 +51,49 @@ class Command(enum.StrEnum):
     EXPIRE = "timeout"  # its end time passed: kill it, or pause it (autoPause)
     NETWORK_UPDATE = "network update"
     METRICS = "metrics"
+    CHECKPOINT = "checkpoint"  # a snapshot's checkpoint with no snapshot record (template builds)
+    SET_DEFAULTS = "set defaults"  # default user, workdir and env (a template build's finish)
+    DIED = "died"  # the metrics loop found its instance gone (out of memory, a crash)
 
 
-# What is legal where. A state not listed for a command refuses it with a 409 that names both; commands only ever
-# see the stable states (POOLED, RUNNING, PAUSED): the transient ones exist while another command holds the lock.
-LEGAL: dict[Command, frozenset[State]] = {
-    Command.CREATE: frozenset({State.POOLED}),
-    Command.CONNECT: frozenset({State.RUNNING, State.PAUSED}),
-    Command.RESUME: frozenset({State.PAUSED}),
-    Command.PAUSE: frozenset({State.RUNNING}),
-    Command.PAUSE_FILESYSTEM: frozenset({State.RUNNING}),
-    Command.SNAPSHOT: frozenset({State.RUNNING}),
-    Command.FORK: frozenset({State.RUNNING}),
-    Command.KILL: frozenset({State.RUNNING, State.PAUSED}),
-    Command.SET_TIMEOUT: frozenset({State.RUNNING}),
-    Command.REFRESH: frozenset({State.RUNNING}),
-    Command.EXPIRE: frozenset({State.RUNNING}),
-    Command.NETWORK_UPDATE: frozenset({State.RUNNING}),
-    Command.METRICS: frozenset({State.RUNNING, State.PAUSED}),
+class Transition(NamedTuple):
+    transient: State | None  # written before the command acts (None: none, the record keeps its state meanwhile)
+    success: State  # written once it has acted (KILLED: the record is gone; the command deleted its row)
+    failure: State  # written if it raised
+
+
+def _stay(state: State) -> Transition:
+    return Transition(None, state, state)
+
+
+# Where every command leads, from each state it is legal in. The transient states never appear on the left: commands
+# only ever see the stable states (POOLED, RUNNING, PAUSED), the transient ones exist while another holds the lock.
+TRANSITIONS: dict[tuple[Command, State], Transition] = {
+    (Command.CREATE, State.POOLED): Transition(None, State.RUNNING, State.POOLED),
+    (Command.CONNECT, State.RUNNING): _stay(State.RUNNING),
+    (Command.CONNECT, State.PAUSED): Transition(State.RESUMING, State.RUNNING, State.PAUSED),
+    (Command.RESUME, State.PAUSED): Transition(State.RESUMING, State.RUNNING, State.PAUSED),
+    (Command.PAUSE, State.RUNNING): Transition(State.PAUSING, State.PAUSED, State.RUNNING),
+    (Command.PAUSE_FILESYSTEM, State.RUNNING): Transition(State.PAUSING, State.PAUSED, State.RUNNING),
+    (Command.SNAPSHOT, State.RUNNING): Transition(State.CHECKPOINTING, State.RUNNING, State.RUNNING),
+    (Command.CHECKPOINT, State.RUNNING): Transition(State.CHECKPOINTING, State.RUNNING, State.RUNNING),
+    (Command.FORK, State.RUNNING): Transition(State.CHECKPOINTING, State.RUNNING, State.RUNNING),
+    (Command.KILL, State.RUNNING): Transition(State.KILLING, State.KILLED, State.RUNNING),
+    (Command.KILL, State.PAUSED): Transition(State.KILLING, State.KILLED, State.PAUSED),
+    (Command.DIED, State.RUNNING): Transition(State.KILLING, State.KILLED, State.RUNNING),
+    (Command.SET_TIMEOUT, State.RUNNING): _stay(State.RUNNING),
+    (Command.REFRESH, State.RUNNING): _stay(State.RUNNING),
+    (Command.EXPIRE, State.RUNNING): _stay(State.RUNNING),
+    (Command.NETWORK_UPDATE, State.RUNNING): _stay(State.RUNNING),
+    (Command.SET_DEFAULTS, State.RUNNING): _stay(State.RUNNING),
+    (Command.METRICS, State.RUNNING): _stay(State.RUNNING),
+    (Command.METRICS, State.PAUSED): _stay(State.PAUSED),
 }
+
+
+# What is legal where: the left-hand sides of TRANSITIONS.
+LEGAL: dict[Command, frozenset[State]] = {
+    c: frozenset(state for command, state in TRANSITIONS if command == c) for c in Command}
 
 # What a server starting after a crash does with each state it finds in the catalog (sandbox/adopt.py):
 ADOPTION: dict[State, str] = {
@@ -97,10 +125,12 @@ def listed(state: State) -> bool:
     return state in PUBLIC
 
 
-def require(command: Command, state: State, sandbox_id: str) -> None:
-    """Raise the client's error if `command` is illegal in `state`: 404 for a sandbox that is gone, else 409."""
-    if state in LEGAL[command]:
-        return
+def transition(command: Command, state: State, sandbox_id: str) -> Transition:
+    """Where `command` leads from `state`; the client's error if it is illegal there: 404 for a sandbox that is
+    gone, else 409."""
+    found = TRANSITIONS.get((command, state))
+    if found is not None:
+        return found
     if state in (State.KILLED, State.KILLING) or (state == State.POOLED and command != Command.CREATE):
         raise NotFound(f"sandbox \"{sandbox_id}\" not found")
     if command in (Command.PAUSE, Command.PAUSE_FILESYSTEM) and state == State.PAUSED:
@@ -110,3 +140,8 @@ def require(command: Command, state: State, sandbox_id: str) -> None:
     if state == State.PAUSED:
         raise Conflict(f"sandbox '{sandbox_id}' is paused; {command} needs a running sandbox (connect resumes it)")
     raise Conflict(f"sandbox '{sandbox_id}' is {state}; {command} is not possible now")
+
+
+def require(command: Command, state: State, sandbox_id: str) -> None:
+    """Raise the client's error if `command` is illegal in `state` (transition's check alone)."""
+    transition(command, state, sandbox_id)

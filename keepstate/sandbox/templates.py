@@ -36,7 +36,7 @@ class Templates(Protocol):
 
 class BuiltTemplates:
     """TOML templates (keepstate/template/builder.py) and root filesystems pulled from OCI images for template
-    builds (keepstate/template/oci.py, names `image-...`), in the same cache layout."""
+    builds (keepstate/template/oci/__init__.py, names `image-...`), in the same cache layout."""
 
     def names(self) -> list[str]:
         return sorted(load_all())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -23,13 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
-
 from keepstate.config import home
 from keepstate.errors import KeepStateError, Unavailable
 from keepstate.mountpoints import AGENT_RUNTIME, TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
+from keepstate.rootfs import agent_requirements, rootfs_digest, sandbox_wheel_args
 
-from .definition import Defaults, Definition, agent_requirements, definition_digest, load
+from .definition import Defaults, Definition, definition_digest, load
 
 Progress = Callable[[str], None]
 
@@ -100,17 +98,6 @@ def _chroot(rootfs: Path, script: str, what: str) -> None:
     _sh(["unshare", "-m", "--", "sh", "-c", inner, script], what, env=env)
 
 
-def sandbox_wheel_args() -> list[str]:
-    """`pip install` options that pick binary wheels for the sandbox's Python (Debian bookworm: CPython 3.11);
-    scripts/agent-requirements.py resolves the agent's pins with the same ones."""
-    machine = platform.machine()
-    # bookworm has glibc 2.36; pip does not widen an explicit platform, so list the older tags too.
-    plats = [f"manylinux_2_{v}_{machine}" for v in (36, 35, 34, 31, 28, 27, 24, 17, 12, 5)]
-    plats += [f"manylinux2014_{machine}", f"manylinux2010_{machine}", f"manylinux1_{machine}"]
-    return ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-            "--abi", "abi3", "--abi", "none", *(x for p in plats for x in ("--platform", p))]
-
-
 def _pip_target(reqs: list[str], target: Path, what: str) -> None:
     """Install binary wheels for the sandbox's Python into `target`."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-warn-script-location",
@@ -134,28 +121,6 @@ def _npm_install(rootfs: Path, packages: list[str]) -> None:
         _chroot(rootfs, shlex.join(["npm", "install", "-g", *opts, *packages]), "npm install")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def rootfs_digest(rootfs: Path) -> str:
-    """BLAKE3 over the sorted tree: paths, modes, owners, link targets and file contents.
-
-    Times are left out so two builds of the same packages hash the same.
-    """
-    h = blake3.blake3()
-    for dirpath, dirnames, filenames in os.walk(rootfs):
-        dirnames.sort()
-        for name in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            rel = os.path.relpath(p, rootfs)
-            h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
-            if os.path.islink(p):
-                h.update(os.readlink(p).encode())
-            elif os.path.isfile(p):
-                with open(p, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_built(d: Definition, ddigest: str) -> Built | None:
@@ -353,3 +318,6 @@ def list_built() -> list[dict[str, object]]:
     return out
 
 
+
+
+__all__ = ["rootfs_digest", "sandbox_wheel_args"]  # keepstate.rootfs's, long called from here

@@ -11,38 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from keepstate.errors import BadRequest, NotFound
+from keepstate.rootfs import agent_requirements, package_file
 
 BUILDER_VERSION = 2  # 2: the mount points of the template view and of volumes are in every build
 
 
-def package_file(package: str, *parts: str) -> Path:
-    """A data file installed with a keepstate package (package-data in pyproject.toml), wherever it lies."""
-    return Path(str(resources.files(package).joinpath(*parts)))
-
-
-# The agent's dependencies, every transitive one pinned (generated: scripts/agent-requirements.py).
-AGENT_REQUIREMENTS = package_file("keepstate.agent", "requirements.txt")
 BUILTIN_DEFINITIONS = package_file("keepstate.template", "definitions")
 
 
 def definitions_dir() -> Path:
     return Path(os.environ.get("KEEPSTATE_TEMPLATES") or BUILTIN_DEFINITIONS)
-
-
-def agent_requirements() -> list[str]:
-    """The pinned requirement lines of AGENT_REQUIREMENTS, in file order, without comments and blank lines."""
-    if not AGENT_REQUIREMENTS.exists():
-        return []
-    lines = (re.sub(r"(^|\s)#.*", "", line).strip() for line in AGENT_REQUIREMENTS.read_text().splitlines())
-    return [line for line in lines if line]
 
 
 @dataclass(frozen=True)
@@ -156,3 +140,6 @@ def definition_digest(d: Definition, parent_digest: str | None) -> str:
         if p.is_file():
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+__all__ = ["agent_requirements", "package_file"]  # keepstate.rootfs's, long read from here

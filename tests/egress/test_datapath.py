@@ -20,7 +20,7 @@ import pytest
 
 from keepstate.egress import firewall as fw
 from keepstate.egress import policy
-from keepstate.runtime.network import GATEWAY_IP, link_for
+from keepstate.netaddr import GATEWAY_IP, link_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("conntrack"),
                                 reason="needs root, nft and conntrack")

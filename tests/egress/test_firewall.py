@@ -14,7 +14,7 @@ import pytest
 from keepstate.egress import firewall as fw
 from keepstate.egress import policy
 from keepstate.errors import BadRequest
-from keepstate.runtime.network import link_for
+from keepstate.netaddr import link_for
 
 LINK = link_for(7)
 PORTS = fw.Ports(dns=5300, proxy=None)

@@ -149,7 +149,7 @@ def _busybox_root(root: Path) -> None:
 
 def _register_template(cache: Path, defs: Path) -> None:
     """A build of TEMPLATE in `cache`, as builder.py lays builds out, with its definition in `defs`."""
-    from keepstate.template.builder import rootfs_digest
+    from keepstate.rootfs import rootfs_digest
     from keepstate.template.definition import BUILTIN_DEFINITIONS, definition_digest, load
 
     defs.mkdir()

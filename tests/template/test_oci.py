@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from keepstate.errors import BadRequest
-from keepstate.template import builder, oci, oci_ref
-from keepstate.template.oci_errors import (
+from keepstate.template import builder, oci
+from keepstate.template.oci import ref as oci_ref
+from keepstate.template.oci.errors import (
     DigestMismatch,
     ImageNotFound,
     RegistryAuthFailed,
@@ -22,8 +23,8 @@ from keepstate.template.oci_errors import (
     UnsafeLayer,
     UnsupportedImage,
 )
-from keepstate.template.oci_registry import Credentials
-from keepstate.template.oci_unpack import apply_layer
+from keepstate.template.oci.registry import Credentials
+from keepstate.template.oci.unpack import apply_layer
 from keepstate.testing import oci_layout
 from keepstate.testing.oci_layout import Entry
 from keepstate.testing.registry import Registry

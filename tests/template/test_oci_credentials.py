@@ -15,9 +15,9 @@ import pytest
 
 from keepstate.errors import BadRequest
 from keepstate.template import oci
-from keepstate.template.oci_credentials import ECR_ENDPOINT_ENV, from_wire
-from keepstate.template.oci_errors import RegistryAuthFailed
-from keepstate.template.oci_registry import Credentials
+from keepstate.template.oci.credentials import ECR_ENDPOINT_ENV, from_wire
+from keepstate.template.oci.errors import RegistryAuthFailed
+from keepstate.template.oci.registry import Credentials
 from keepstate.testing import oci_layout
 from keepstate.testing.registry import Registry
 

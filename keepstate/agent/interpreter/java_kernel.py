@@ -124,7 +124,7 @@ class Runner:
         self.proc.wait()
 
 
-class JavaKernel(Kernel):
+class JavaKernel(Kernel):  # type: ignore[misc]  # ipykernel ships no types: Kernel is Any
     implementation = "keepstate-java"
     implementation_version = "1.0"
     language = "java"

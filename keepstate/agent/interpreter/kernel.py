@@ -59,7 +59,7 @@ def _user_env(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, Any]]:
     return env, popen
 
 
-class _Manager(AsyncKernelManager):
+class _Manager(AsyncKernelManager):  # type: ignore[misc]  # jupyter_client ships no types
     """Hands the connection file to the kernel's user before launch (jupyter_client writes it 0600)."""
 
     kernel_uid: int | None = None

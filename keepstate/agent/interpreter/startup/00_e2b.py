@@ -12,6 +12,7 @@ Matplotlib figures already render as PNG through ipykernel's inline backend.
 def _e2b_register_formatters() -> None:
     import json
     import sys
+    from typing import Any
 
     from IPython import get_ipython
     from IPython.core.formatters import JSONFormatter
@@ -21,36 +22,37 @@ def _e2b_register_formatters() -> None:
     if shell is None:
         return
 
-    class E2BDataFormatter(JSONFormatter):
+    # IPython and traitlets ship no types (installed only in the code interpreter's image): its classes are Any.
+    class E2BDataFormatter(JSONFormatter):  # type: ignore[misc]
         format_type = Unicode("e2b/data")
         print_method = ObjectName("_repr_e2b_data_")
 
-    class E2BChartFormatter(JSONFormatter):
+    class E2BChartFormatter(JSONFormatter):  # type: ignore[misc]
         # Not a type registration: activating the inline backend pops every Figure printer
         # from every formatter (IPython's select_figure_formats).
         format_type = Unicode("e2b/chart")
         print_method = ObjectName("_repr_e2b_chart_")
 
-        def __call__(self, obj):
+        def __call__(self, obj: Any) -> Any:
             # The module may still be initialising on warm.py's import thread: no Figure yet.
             figure_type = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
             if self.enabled and isinstance(figure_type, type) and isinstance(obj, figure_type):
                 return figure_to_chart(obj)
             return super().__call__(obj)
 
-    def dataframe_to_data(df):
+    def dataframe_to_data(df: Any) -> dict[str, list[Any]]:
         # to_json does the JSON-safety (numpy scalars, NaN, timestamps); split keeps column order.
         split = json.loads(df.to_json(orient="split", date_format="iso", default_handler=str))
         columns = [str(c) for c in split["columns"]]
         rows = split["data"]
         return {col: [row[i] for row in rows] for i, col in enumerate(columns)}
 
-    def plain(value):
+    def plain(value: Any) -> Any:
         if hasattr(value, "tolist"):
             return value.tolist()
         raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
-    def figure_to_chart(figure):
+    def figure_to_chart(figure: Any) -> Any:
         try:
             from e2b_charts import chart_figure_to_chart
 

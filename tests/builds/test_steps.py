@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from e2b.template.utils import calculate_files_hash, tar_file_stream
 
-from keepstate.errors import BadRequest, Unauthorized
-from keepstate.template.steps import (
+from keepstate.builds.steps import (
     State,
     Step,
     archive_hash,
@@ -20,7 +19,8 @@ from keepstate.template.steps import (
     parent_key,
     parse_spec,
 )
-from keepstate.template.uploads import Uploads
+from keepstate.builds.uploads import Uploads
+from keepstate.errors import BadRequest, Unauthorized
 
 HASH = "ab" * 32
 

@@ -20,14 +20,18 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from keepstate.clock import rfc3339
 from keepstate.db.engine import Database
 from keepstate.db.records import BuildRecord, LayerRecord, TemplateRecord
 from keepstate.db.repos import Templates
 from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Unsupported
+from keepstate.sandbox.agent_exec import TAIL_LINES
+from keepstate.sandbox.agent_exec import Result as CommandResult
+from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.record import SandboxRow
 
-from . import sandbox_exec
 from .steps import (
     BASE_IMAGE,
     DEFAULT_READY_TIMEOUT,
@@ -40,10 +44,6 @@ from .steps import (
     parent_key,
 )
 from .uploads import Uploads
-
-if TYPE_CHECKING:
-    from keepstate.sandbox.manager import SandboxManager
-    from keepstate.sandbox.record import SandboxRow
 
 log = logging.getLogger("keepstate.template")
 
@@ -68,8 +68,6 @@ class BuildLog:
     entries: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, message: str, level: str = "info", step: str | None = None) -> None:
-        from keepstate.api.schemas import rfc3339
-
         entry: dict[str, Any] = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
@@ -330,7 +328,7 @@ class TemplateBuilds:
         """(templateID to create the build sandbox from, its cache identity, the state it starts with)."""
         if spec.from_image not in (None, BASE_IMAGE):
             oci = self._oci()
-            from keepstate.template.oci_credentials import from_wire
+            from keepstate.template.oci.credentials import from_wire
 
             ref = spec.from_image
             logs.add(f"pulling image {ref}", step="base")
@@ -433,14 +431,12 @@ class TemplateBuilds:
             logs.add(f"[{i}/{n}] {s.describe()}", step=str(i))
             await self._step(i, s, row.address, row.access_token, state, logs, sandbox_id)
         if hit < n:
-            self.m.idle.wake(sandbox_id)
             await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env)
             cp = await self.m.checkpoint(sandbox_id)
             taken.append(cp)
             await self.templates.put_layer(keys[n - 1], cp, state.to_json())
             logs.add(f"layer cached ({cp})")
         await self._finalize(spec, row.address, row.access_token, state, logs, sandbox_id)
-        self.m.idle.wake(sandbox_id)
         label = {"name": t.name, "template_id": t.template_id, "build_id": b.build_id, "tags": tags,
                  "cpu": t.cpu, "memory_mb": t.memory_mb, "state": state.to_json()}
         await self.m.set_defaults(sandbox_id, state.user, state.workdir, state.env,
@@ -458,13 +454,12 @@ class TemplateBuilds:
         return sandbox_id
 
     async def _exec(self, sandbox_id: str, address: str, token: str, cmd: str, user: str, env: dict[str, str],
-                    cwd: str | None, logs: BuildLog, step: str) -> sandbox_exec.Result:
-        self.m.idle.wake(sandbox_id)
+                    cwd: str | None, logs: BuildLog, step: str) -> CommandResult:
         loop = asyncio.get_running_loop()
 
         def on_line(line: str) -> None:
             loop.call_soon_threadsafe(logs.add, line, "info", step)
-        return await sandbox_exec.run(address, token, cmd, user, env, cwd, on_line)
+        return await self.m.agents.run_command(sandbox_id, address, token, cmd, user, env, cwd, on_line)
 
     async def _step(self, i: int, s: Step, address: str, token: str, state: State, logs: BuildLog,
                     sandbox_id: str) -> None:
@@ -506,8 +501,7 @@ class TemplateBuilds:
             logs.add(f"step {i}: the upload's filesHash cannot be checked (this SDK release hashes directories' "
                      "on-disk sizes, which a tar does not keep); using it as sent", level="warn", step=where)
         archive = f"/tmp/.keepstate-copy-{s.files_hash}"
-        self.m.idle.wake(sandbox_id)
-        await sandbox_exec.write_file(address, token, archive, upload)
+        await self.m.agents.write_file(sandbox_id, address, token, archive, upload)
         script = copy_script(archive, src, dest, owner or state.user, mode, state.workdir)
         await self._run_cmd(sandbox_id, address, token, script, "root", {}, None, logs, where,
                             shown=f"COPY {src} {dest}")
@@ -519,7 +513,7 @@ class TemplateBuilds:
         if r.error is not None:
             raise StepFailed(where, f"failed to run command '{shown}': command failed: {r.error}")
         if r.exit_code != 0:
-            tail = "\n".join(r.tail[-sandbox_exec.TAIL_LINES:])
+            tail = "\n".join(r.tail[-TAIL_LINES:])
             raise StepFailed(where, f"failed to run command '{shown}': exit status {r.exit_code}"
                                     + (f"; last output:\n{tail}" if tail else ""))
 

@@ -24,13 +24,13 @@ from pathlib import Path
 from keepstate.errors import BadRequest
 from keepstate.mountpoints import TEMPLATE_VIEW, VOLUME_SLOTS, VOLUMES_DIR
 
-from . import builder
-from .builder import Built, Progress, stderr_progress, templates_dir
-from .definition import Defaults
-from .oci_errors import DigestMismatch, ImageNotFound, UnsupportedImage
-from .oci_ref import Reference, parse
-from .oci_registry import CONFIG_TYPES, INDEX_TYPES, LAYER_TYPES, Credentials, Manifest, Registry, sha256_digest
-from .oci_unpack import apply_layer, remove, secure_join
+from .. import builder
+from ..builder import Built, Progress, stderr_progress, templates_dir
+from ..definition import Defaults
+from .errors import DigestMismatch, ImageNotFound, UnsupportedImage
+from .ref import Reference, parse
+from .registry import CONFIG_TYPES, INDEX_TYPES, LAYER_TYPES, Credentials, Manifest, Registry, sha256_digest
+from .unpack import apply_layer, remove, secure_join
 
 FORMAT = "oci-v1"  # enters a build's ID: bump when what `register` adds to an image changes
 AGENT_RUNTIME = "/opt/keepstate"  # the agent's own runtime is mounted here read-only (another module's seam)

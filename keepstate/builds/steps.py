@@ -1,6 +1,6 @@
 """A template build's steps, as E2B's SDK sends them (docs/design/template-builds.md): parsed, checked and keyed.
 
-Pure: no sandbox, no socket. The builder (build_service.py) runs what this module parses; the Dockerfile parser
+Pure: no sandbox, no socket. The builder (service.py) runs what this module parses; the Dockerfile parser
 (dockerfile.py) produces the same `Step`s, so both paths share one validation and one cache key.
 """
 

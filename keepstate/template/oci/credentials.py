@@ -16,8 +16,8 @@ import os
 
 from keepstate.errors import BadRequest
 
-from .oci_errors import RegistryAuthFailed, RegistryUnavailable
-from .oci_registry import Credentials
+from .errors import RegistryAuthFailed, RegistryUnavailable
+from .registry import Credentials
 
 ECR_ENDPOINT_ENV = "KEEPSTATE_ECR_ENDPOINT"
 

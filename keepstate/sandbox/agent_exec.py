@@ -1,20 +1,16 @@
-"""Running a build step's command in the build sandbox, and writing a file into it, through its agent.
-
-The same doors a user's SDK uses (the Connect process service, `POST /files`), spoken straight to the agent's
-address. Every call opens its own connections and closes them before returning: the builder snapshots the sandbox
-right after, and no TCP connection may be open into a sandbox while it is checkpointed (agent_client.py).
+"""A command run to its end in a sandbox through its agent's Connect process service, the door a user's SDK uses:
+a template build's steps. Called only by AgentClient.run_command (agent_client.py), which counts it as a call,
+wakes a frozen sandbox first and refuses it while the sandbox is checkpointed. Every run opens its own connection
+and closes it before returning: the builder snapshots the sandbox right after, and no TCP connection may be open
+into a sandbox while it is checkpointed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-import aiohttp
 
 from keepstate.ports import AGENT_PORT
 
@@ -32,7 +28,7 @@ def _headers(token: str, user: str) -> dict[str, str]:
     return {"X-Access-Token": token, "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
 
 
-def _run_sync(address: str, token: str, cmd: str, user: str, env: dict[str, str], cwd: str | None,
+def run(address: str, token: str, cmd: str, user: str, env: dict[str, str], cwd: str | None,
               on_line: Callable[[str], None]) -> Result:
     from connectrpc.errors import ConnectError
     from protobuf import Oneof
@@ -77,22 +73,3 @@ def _run_sync(address: str, token: str, cmd: str, user: str, env: dict[str, str]
             feed(stream, b"\n")
     return Result(code, list(tail))
 
-
-async def run(address: str, token: str, cmd: str, user: str, env: dict[str, str], cwd: str | None,
-              on_line: Callable[[str], None]) -> Result:
-    """Run `cmd` with bash as `user` and wait for its end; each output line goes to `on_line` (from a thread)."""
-    return await asyncio.to_thread(_run_sync, address, token, cmd, user, env, cwd, on_line)
-
-
-async def write_file(address: str, token: str, path: str, source: Path) -> None:
-    """Write `source` to `path` in the sandbox as root (octet-stream upload)."""
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as http:
-        with open(source, "rb") as f:
-            async with http.post(f"http://{address}:{AGENT_PORT}/files", params={"path": path, "username": "root"},
-                                 data=f, headers={"X-Access-Token": token,
-                                                  "Content-Type": "application/octet-stream"},
-                                 timeout=aiohttp.ClientTimeout(total=600)) as r:
-                if r.status >= 300:
-                    raise RuntimeError(f"writing {path} into the build sandbox failed: {r.status} "
-                                       f"{(await r.text())[:300]}")

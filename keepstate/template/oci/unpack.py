@@ -22,7 +22,7 @@ from typing import IO, cast
 
 import zstandard
 
-from .oci_errors import DigestMismatch, UnsafeLayer
+from .errors import DigestMismatch, UnsafeLayer
 
 CHUNK = 1 << 20
 MAX_SYMLINKS = 255

@@ -1,4 +1,4 @@
-"""Dockerfiles into a build's steps (keepstate/template/dockerfile.py): the CLI's half, pure."""
+"""Dockerfiles into a build's steps (keepstate/builds/dockerfile.py): the CLI's half, pure."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from keepstate.builds.dockerfile import pack, parse
+from keepstate.builds.steps import archive_hash, parse_spec
 from keepstate.errors import BadRequest
-from keepstate.template.dockerfile import pack, parse
-from keepstate.template.steps import archive_hash, parse_spec
 
 DOCKERFILE = """\
 # a comment

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .oci_errors import DigestMismatch, ImageNotFound, RegistryAuthFailed, RegistryUnavailable, UnsupportedImage
-from .oci_ref import Reference
+from .errors import DigestMismatch, ImageNotFound, RegistryAuthFailed, RegistryUnavailable, UnsupportedImage
+from .ref import Reference
 
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
