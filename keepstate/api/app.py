@@ -48,7 +48,7 @@ from . import templates as template_routes
 from . import volumes as volume_routes
 from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
 from .router import DataPlane, Router, is_data_plane, target_of
-from .spec import validating_middleware
+from .spec import Spec, validating_middleware
 
 log = logging.getLogger("keepstate.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -215,6 +215,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 
     # Outermost: with KEEPSTATE_VALIDATE_RESPONSES=1 every control-plane answer, errors included, is checked
     # against docs/openapi.yaml (tests run the server so).
+    Spec.default()  # the contract request bodies are checked against: read now, not on the first request
     app = web.Application(middlewares=[validating_middleware(), dispatch], client_max_size=MAX_JSON_BODY,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager

@@ -15,6 +15,7 @@ from keepstate.sandbox.state import PUBLIC, State
 
 from . import schemas
 from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER
+from .spec import Spec
 
 routes = web.RouteTableDef()
 MAX_METRICS_IDS = 100
@@ -41,12 +42,26 @@ async def json_body(request: web.Request, required: bool = True) -> Any:
     value = schemas.parse_json(raw, required)
     if value is None and raw.strip():
         raise BadRequest("request body must be a JSON object, not null")
+    if value is not None:
+        check_body(request, value)
     return value
 
 
 async def object_body(request: web.Request) -> dict[str, Any]:
     """An optional JSON object body: absent means {}; any other JSON value is a 400."""
-    return schemas.parse_object(await request.read())
+    value = schemas.parse_object(await request.read())
+    check_body(request, value)
+    return value
+
+
+def check_body(request: web.Request, value: Any) -> None:
+    """A 400 naming what the body gets wrong against its operation's schema in docs/openapi.yaml."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return
+    problems = Spec.default().check_request(request.method, resource.canonical, value)
+    if problems:
+        raise BadRequest("request body does not match the API (docs/openapi.yaml): " + "; ".join(problems[:5]))
 
 
 def sid(request: web.Request) -> str:
@@ -231,9 +246,9 @@ async def create_snapshot(request: web.Request) -> web.Response:
 async def list_snapshots(request: web.Request) -> web.Response:
     snaps = await manager(request).rows.snapshots()
     if request.query.get("sandboxID"):
-        snaps = [s for s in snaps if s["sandbox_id"] == request.query["sandboxID"]]
+        snaps = [s for s in snaps if s.sandbox_id == request.query["sandboxID"]]
     if request.query.get("name"):
-        snaps = [s for s in snaps if request.query["name"] in s["names"]]
+        snaps = [s for s in snaps if request.query["name"] in s.names]
     try:
         limit = int(request.query.get("limit", "100"))
         start = int(request.query.get("nextToken", "0") or 0)
@@ -243,7 +258,7 @@ async def list_snapshots(request: web.Request) -> web.Response:
         raise BadRequest("`nextToken` must be a token from an earlier page")
     page = snaps[start:start + max(1, min(limit, 100))]
     headers = {"X-Next-Token": str(start + len(page))} if start + len(page) < len(snaps) else {}
-    return web.json_response([{"snapshotID": s["snapshot_id"], "names": s["names"]} for s in page],
+    return web.json_response([{"snapshotID": s.snapshot_id, "names": list(s.names)} for s in page],
                              headers=headers)
 
 
@@ -253,7 +268,7 @@ async def delete_snapshot(request: web.Request) -> web.Response:
     snap = await m.find_snapshot(request.match_info["template_id"])
     if snap is None:
         raise NotFound(f"snapshot '{request.match_info['template_id']}' not found")
-    await m.rows.delete_snapshot(snap["snapshot_id"])
+    await m.rows.delete_snapshot(snap.snapshot_id)
     return web.Response(status=204)
 
 

@@ -1,12 +1,18 @@
-"""Control-plane responses checked against the contract, keepstate/api/openapi.yaml (docs/openapi.yaml links to it).
+"""The contract, keepstate/api/openapi.yaml (docs/openapi.yaml links to it), checked in both directions.
 
+Requests: `Spec.check_request(method, template, body)` lists what a JSON request body gets wrong against its
+operation's `requestBody` schema; the control plane's body readers (control.json_body, object_body) run it on every
+body, so a body the contract refuses is a 400 naming the field before any handler looks at it (handlers then only
+convert what the contract admitted).
+
+Responses:
 `Spec.check(method, path, status, headers, body)` lists what a response gets wrong: an undocumented status, a
 missing or malformed documented header, a body that is not JSON or does not match the schema (formats included), an
 error whose `code` is not its status. `validating_middleware()` runs that on every control-plane response when the
 server has KEEPSTATE_VALIDATE_RESPONSES=1 and turns a violation into a 500 naming it (the tests run servers so);
 without the variable it passes everything through untouched.
 
-Needs PyYAML and jsonschema-rs (the `test` extra), imported only when a Spec is loaded.
+Needs PyYAML and jsonschema-rs, imported only when a Spec is loaded.
 """
 
 from __future__ import annotations
@@ -26,8 +32,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from .router import is_data_plane
-
 log = logging.getLogger("keepstate.api.spec")
 SPEC_PATH = Path(__file__).with_name("openapi.yaml")
 ENV_VAR = "KEEPSTATE_VALIDATE_RESPONSES"
@@ -44,6 +48,7 @@ class _Operation:
     method: str
     path: str
     responses: dict[str, Any]
+    request: dict[str, Any] | None = None  # the requestBody's JSON schema, if it has one
     validators: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
@@ -57,7 +62,10 @@ class Spec:
             key = _template_key(path)
             for method in METHODS:
                 if method in item:
-                    self._ops[(method.upper(), key)] = _Operation(method.upper(), path, item[method]["responses"])
+                    body = self._deref(item[method].get("requestBody") or {})
+                    schema = ((body.get("content") or {}).get("application/json") or {}).get("schema")
+                    self._ops[(method.upper(), key)] = _Operation(method.upper(), path, item[method]["responses"],
+                                                                  schema)
             pattern = "^" + re.sub(r"\\\{[^}/]*\\\}", "[^/]+", re.escape(path)) + "$"
             self._paths.append((re.compile(pattern), key))
         # Literal paths first: /v2/sandboxes before anything templated of the same length.
@@ -114,6 +122,15 @@ class Spec:
         return op.validators[key]
 
     # -- checking -------------------------------------------------------------------
+    def check_request(self, method: str, template: str, body: Any) -> list[str]:
+        """What a request's JSON body gets wrong against its operation's schema (empty: it conforms, or the
+        operation documents no JSON body)."""
+        op = self._ops.get((method.upper(), _template_key(template)))
+        if op is None or op.request is None:
+            return []
+        validator = self._response_validator(op, "request", "body", op.request)
+        return [f"{_field(e.instance_path)}{e.message}" for e in validator.iter_errors(body)]
+
     def check(self, method: str, path: str, status: int, headers: Mapping[str, str], body: bytes | None,
               template: str | None = None) -> list[str]:
         """What the response gets wrong (empty: it conforms). `template` is the route's path template, if known."""
@@ -207,6 +224,16 @@ def _header_value(raw: str, kind: Any) -> Any:
     return raw
 
 
+def _field(path: Any) -> str:
+    """`timeout`: , `network.allowOut[2]`: , or nothing for the body itself."""
+    if not path:
+        return ""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return f"`{out}`: "
+
+
 def _where(path: Any) -> str:
     return "".join(f"[{p!r}]" for p in path) if path else ""
 
@@ -239,6 +266,8 @@ def validating_middleware(spec: Spec | None = None, enabled: bool | None = None)
     Put it first (outermost) in the app's middlewares, so that it sees the error responses the dispatch
     middleware renders too. Disabled, it only passes requests on.
     """
+    from .router import is_data_plane  # here: the router's handlers read bodies through control, which uses Spec
+
     if enabled is None:
         enabled = enabled_by_env()
 

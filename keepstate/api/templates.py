@@ -78,5 +78,5 @@ async def alias(request: web.Request) -> web.Response:
         return web.json_response(found)
     snap = await m.find_snapshot(name)
     if snap is not None:
-        return web.json_response({"templateID": snap["snapshot_id"], "public": False})
+        return web.json_response({"templateID": snap.snapshot_id, "public": False})
     raise NotFound(f"template '{name}' not found")

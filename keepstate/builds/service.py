@@ -30,7 +30,7 @@ from keepstate.errors import BadRequest, Conflict, KeepStateError, NotFound, Uns
 from keepstate.sandbox.agent_exec import TAIL_LINES
 from keepstate.sandbox.agent_exec import Result as CommandResult
 from keepstate.sandbox.manager import SandboxManager
-from keepstate.sandbox.record import SandboxRow
+from keepstate.sandbox.record import SandboxRow, Snapshot
 
 from .steps import (
     BASE_IMAGE,
@@ -154,14 +154,14 @@ class TemplateBuilds:
                     reason={"message": "the build was interrupted by a server restart", "step": "base"}))
 
     # -- resolution -------------------------------------------------------------------------------------------
-    async def resolve(self, ref: str) -> dict[str, Any] | None:
-        """A create's templateID → the snapshot-shaped dict the manager restores from, or None."""
+    async def resolve(self, ref: str) -> Snapshot | None:
+        """A create's templateID → the Snapshot the manager restores from, or None."""
         if ref.startswith(LAYER_PREFIX):
             layer = await self.templates.get_layer(ref[len(LAYER_PREFIX):])
             if layer is None:
                 return None
-            return {"snapshot_id": ref, "checkpoint_id": layer.checkpoint_id, "sandbox_id": "template-build",
-                    "template_id": ref, "names": [ref]}
+            return Snapshot(snapshot_id=ref, checkpoint_id=layer.checkpoint_id, sandbox_id="template-build",
+                            template_id=ref, names=(ref,))
         build = await self.ready_build(ref)
         if build is None or build.checkpoint_id is None:
             return None
@@ -169,9 +169,9 @@ class TemplateBuilds:
         t = await self.templates.get_template(name)
         label = t.name if t is not None else name
         # "pool": a built template gets a warm pool of restored sandboxes (sandbox/creates.py), one per tag.
-        return {"snapshot_id": build.template_id, "checkpoint_id": build.checkpoint_id,
-                "sandbox_id": build.sandbox_id or "template-build", "template_id": build.template_id,
-                "names": [ref], "pool": label if tag == DEFAULT_TAG else f"{label}:{tag}"}
+        return Snapshot(snapshot_id=build.template_id, checkpoint_id=build.checkpoint_id,
+                        sandbox_id=build.sandbox_id or "template-build", template_id=build.template_id,
+                        names=(ref,), pool=label if tag == DEFAULT_TAG else f"{label}:{tag}")
 
     async def ready_build(self, ref: str) -> BuildRecord | None:
         name, tag = split_ref(ref)

@@ -107,7 +107,10 @@ class _Idle:
     timer: asyncio.TimerHandle | None = None
 
 
-class Pool:
+class UpstreamConnections:
+    """The egress proxy's idle connections to the internet's hosts, reused across a sandbox's connections, bounded
+    per key, per source and in all."""
+
     def __init__(self, idle_s: float = POOL_IDLE_S, per_key: int = PER_KEY, per_source: int = PER_SOURCE,
                  total: int = TOTAL) -> None:
         self.idle_s, self.per_key, self.per_source, self.total = idle_s, per_key, per_source, total

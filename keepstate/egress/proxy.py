@@ -32,7 +32,7 @@ from keepstate.egress.ca import CA
 from keepstate.egress.http1 import MAX_HEAD, Answer, Request, set_rule_headers
 from keepstate.egress.pipe import Side, reset_socket, splice
 from keepstate.egress.policy import HeaderRule, Policy
-from keepstate.egress.pool import Key, Pool, Upstream, Watched
+from keepstate.egress.pool import Key, Upstream, UpstreamConnections, Watched
 from keepstate.egress.relay import relay
 from keepstate.egress.sniff import Sniffed, final, sniff
 
@@ -69,12 +69,13 @@ class Proxy:
                  on_host: Callable[[str, str], None] = _nothing,
                  original_dst: Callable[[socket.socket], tuple[str, int]] = so_original_dst,
                  max_connections: int = 0,
-                 resolved: Callable[[str, str, str], bool] | None = None, pool: Pool | None = None) -> None:
+                 resolved: Callable[[str, str, str], bool] | None = None,
+                 pool: UpstreamConnections | None = None) -> None:
         """`max_connections` > 0 caps one sandbox's concurrent proxied connections (`serve
         --egress-max-connections`: the forward chain's `ct count` never sees these, they end at the proxy).
         `resolved(source, name, ip)`: whether the sandbox's resolver answered `name` with `ip`; given, a secret
         travels in plain HTTP only to such an address (see `_rewriter`). `pool`: where upstream connections of
-        intercepted hosts wait for the sandbox's next connection (default: a Pool with its default bounds)."""
+        intercepted hosts wait for the sandbox's next connection (default: UpstreamConnections' own bounds)."""
         self.lookup, self.secret_value, self.ca, self.upstream_trust = lookup, secret_value, ca, upstream_trust
         self.guard, self.on_bytes, self.on_host, self.original_dst = guard, on_bytes, on_host, original_dst
         self.max_connections, self.resolved = max_connections, resolved
@@ -82,7 +83,7 @@ class Proxy:
         self._accepting: asyncio.Task[None] | None = None
         self._by_source: dict[str, set[asyncio.Task[None]]] = {}
         self._leaves: OrderedDict[str, asyncio.Future[ssl.SSLContext]] = OrderedDict()
-        self.pool = pool if pool is not None else Pool()
+        self.pool = pool if pool is not None else UpstreamConnections()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------------------

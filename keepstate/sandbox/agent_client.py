@@ -43,7 +43,7 @@ from keepstate.runtime.base import RuntimeFailure
 
 from . import agent_exec
 from .tcp_table import settled
-from .upstream import Pool
+from .upstream import SandboxConnections
 
 log = logging.getLogger("keepstate.sandbox")
 SETTLE = 0.05  # after closing connections, before a checkpoint: how often the host's TCP table is read again
@@ -78,7 +78,7 @@ class AgentClient:
         self._closed: dict[str, asyncio.Event] = {}  # quiesced sandboxes; set when the gate opens again
         self._hold: set[str] = set()  # quiesced sandboxes whose router requests wait
         self._proxy: dict[str, aiohttp.ClientSession] = {}  # WebSockets
-        self._pools: dict[str, Pool] = {}  # HTTP
+        self._pools: dict[str, SandboxConnections] = {}  # HTTP
         self._inflight: dict[str, set[InFlight]] = {}
         self._active: dict[str, float] = {}  # monotonic time a counted call last started or ended, by sandbox
         self._busy: Counter[str] = Counter()  # counted calls and proxied requests in flight, by sandbox
@@ -319,11 +319,11 @@ class AgentClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout)
 
-    def proxy_pool(self, sandbox_id: str) -> Pool:
+    def proxy_pool(self, sandbox_id: str) -> SandboxConnections:
         """The sandbox's keep-alive pool of HTTP connections (a new one after the gate or a kill closed the last)."""
         pool = self._pools.get(sandbox_id)
         if pool is None or pool.closed:
-            pool = self._pools[sandbox_id] = Pool()
+            pool = self._pools[sandbox_id] = SandboxConnections()
         return pool
 
     def proxy_session(self, sandbox_id: str) -> aiohttp.ClientSession:

@@ -29,8 +29,8 @@ from keepstate.template.builder import Built
 
 from .agent_client import agent_url
 from .checkpoints import new_sandbox_id
-from .pool import Pool
-from .record import SandboxRow, Settings
+from .pool import WarmPool
+from .record import SandboxRow, Settings, Snapshot
 from .state import Command, State, require
 from .traffic import traffic_token
 
@@ -74,7 +74,7 @@ def check_timeout(value: Any, field_name: str = "timeout") -> int:
 class SnapshotPool:
     """What a built template's pool restores from, and when a create last came for it."""
 
-    pool: Pool
+    pool: WarmPool
     manifest: Manifest
     parent: SandboxRow  # the template's build sandbox as its checkpoint recorded it
     last_used: float = field(default_factory=time.monotonic)
@@ -103,12 +103,12 @@ class Creates:
         raise Unavailable(f"template '{template}' is being built for its first use (about a minute); "
                           f"retry then, or run `keepstate template build {template}` ahead of time")
 
-    def pool(self, built: Built) -> Pool:
+    def pool(self, built: Built) -> WarmPool:
         """The warm pool of one template build (keyed by its digest: a rebuilt template gets a new pool)."""
         m = self.m
         pool = m.pools.get(built.digest)
         if pool is None:
-            pool = m.pools[built.digest] = Pool(built.digest, m.pool_size, lambda: self._start_pooled(built.name),
+            pool = m.pools[built.digest] = WarmPool(built.digest, m.pool_size, lambda: self._start_pooled(built.name),
                                                 template=built.name, room=m.places.room)
         return pool
 
@@ -134,7 +134,7 @@ class Creates:
         pool = self.m.pools.get(built.digest)
         return self.take(pool) if pool is not None and limits == self.limits(built) else None
 
-    def take(self, pool: Pool) -> SandboxRow | None:
+    def take(self, pool: WarmPool) -> SandboxRow | None:
         """A pooled sandbox, thawed if the idle freezer froze it (its ID changes now: the waker would not know it)."""
         row = pool.take()
         if row is not None:
@@ -200,19 +200,19 @@ class Creates:
                                  agent_url=agent_url(row.address), token=row.access_token)
         return row
 
-    async def _from_snapshot(self, snap: dict[str, Any], req: CreateRequest, api_key_id: str | None) -> SandboxRow:
+    async def _from_snapshot(self, snap: Snapshot, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
         """A create from a snapshot or a built template: a restore of its checkpoint (claimed from the template's
         pool when it has one ready)."""
         m = self.m
-        checkpoint_id = snap["checkpoint_id"]
-        held = self.snapshot_pools.get(checkpoint_id) if snap.get("pool") else None
+        checkpoint_id = snap.checkpoint_id
+        held = self.snapshot_pools.get(checkpoint_id) if snap.pool else None
         if held is not None and not req.volume_mounts:
             row = await self._claim(held, req, api_key_id)
             if row is not None:
                 return row
         manifest = held.manifest if held is not None else await asyncio.to_thread(m.durable.manifest, checkpoint_id)
         parent = parent_row(manifest, snap, api_key_id)
-        if snap.get("pool") and held is None and not parent.settings.volume_mounts and m.template_pool_size > 0:
+        if snap.pool and held is None and not parent.settings.volume_mounts and m.template_pool_size > 0:
             self._snapshot_pool(snap, manifest, parent.copy()).pool.start()
         settings = parent.settings
         settings.metadata = dict(req.metadata)
@@ -223,7 +223,7 @@ class Creates:
             settings.network = dict(req.network)
         theirs = [(m_["name"], m_["path"]) for m_ in settings.volume_mounts]
         if req.volume_mounts and sorted(req.volume_mounts) != sorted(theirs):
-            raise Refused(f"snapshot '{snap['snapshot_id']}' was taken with volume mounts {theirs or 'none'}; a "
+            raise Refused(f"snapshot '{snap.snapshot_id}' was taken with volume mounts {theirs or 'none'}; a "
                           "sandbox made from it gets exactly those (gVisor restores only onto the same mounts)")
         with m.places.reserve(api_key_id):  # its record is listed in the step _spawn returns in
             result = (await m.spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
@@ -232,14 +232,14 @@ class Creates:
             raise result.error
         return result.row
 
-    def _snapshot_pool(self, snap: dict[str, Any], manifest: Manifest, parent: SandboxRow) -> SnapshotPool:
+    def _snapshot_pool(self, snap: Snapshot, manifest: Manifest, parent: SandboxRow) -> SnapshotPool:
         """A new pool for this checkpoint of a built template; the template's pools of earlier builds go."""
         m = self.m
-        name = str(snap["pool"])  # the template (and tag) it is of: what /health names it by
+        name = str(snap.pool)  # the template (and tag) it is of: what /health names it by
         for old_id, old in list(self.snapshot_pools.items()):
             if old.pool.template == name:
                 self.drop_pool(old_id)
-        pool = Pool(manifest.checkpoint_id, m.template_pool_size, lambda: self._restore_pooled(manifest, parent),
+        pool = WarmPool(manifest.checkpoint_id, m.template_pool_size, lambda: self._restore_pooled(manifest, parent),
                     template=name, room=m.places.room)
         held = self.snapshot_pools[manifest.checkpoint_id] = SnapshotPool(pool, manifest, parent)
         m.pools[manifest.checkpoint_id] = pool
@@ -314,10 +314,10 @@ class Creates:
                 self.drop_pool(checkpoint_id)
 
 
-def parent_row(manifest: Manifest, snap: dict[str, Any], api_key_id: str | None) -> SandboxRow:
+def parent_row(manifest: Manifest, snap: Snapshot, api_key_id: str | None) -> SandboxRow:
     """The sandbox a checkpoint was taken of, as its label recorded it: what a create from it starts from."""
     info = json.loads(manifest.meta.labels["sandbox"])
-    return SandboxRow(sandbox_id=snap["sandbox_id"], state=State.RUNNING, template_id=info["template_id"],
+    return SandboxRow(sandbox_id=snap.sandbox_id, state=State.RUNNING, template_id=info["template_id"],
                       template_digest=manifest.meta.template_digest, runtime_name="", slot=-1, address="",
                       access_token=info["access_token"], started_at=info["started_at"], end_at=0,
                       cpu=float(info["cpu"]), memory_mb=int(info["memory_mb"]), api_key_id=api_key_id,

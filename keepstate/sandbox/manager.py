@@ -46,8 +46,8 @@ from .durable import Durability
 from .gateway_runs import GatewayRuns
 from .idle import DEFAULT_AFTER, IdleFreezer
 from .instances import Instances, handle_of
-from .pool import Pool
-from .record import Instance, SandboxRow
+from .pool import WarmPool
+from .record import Instance, SandboxRow, Snapshot
 from .rows import SandboxRows
 from .slots import Slots
 from .standby import StandbyCache
@@ -111,7 +111,7 @@ class SandboxManager:
                                        host_name)
         self.standbys = StandbyCache(standby_seconds, standby_mb)
         self.table = SandboxTable(self.rows)  # the one writer of sandboxes' records and states
-        self.pools: dict[str, Pool] = {}
+        self.pools: dict[str, WarmPool] = {}
         self.metrics: dict[str, deque[dict[str, Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._waking: dict[str, asyncio.Task[tuple[SandboxRow, bool]]] = {}  # autoResume's resumes, by sandbox ID
@@ -119,8 +119,8 @@ class SandboxManager:
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
-        # Built templates (builds/service.py) resolve here like snapshots: ref -> a snapshot-shaped dict.
-        self.template_resolver: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None
+        # Built templates (builds/service.py) resolve here like snapshots: ref -> a Snapshot.
+        self.template_resolver: Callable[[str], Awaitable[Snapshot | None]] | None = None
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -167,7 +167,7 @@ class SandboxManager:
         await self.egress.stop()
         await self.agents.close()
 
-    def pool(self, built: Built) -> Pool:
+    def pool(self, built: Built) -> WarmPool:
         return self.creates.pool(built)
 
     # -- reading (the table's query methods) --------------------------------------------------------------------
@@ -507,7 +507,7 @@ class SandboxManager:
             await self.table.save(row)
             await self.instances.init_agent(row, await self.gateway.env(row), previous_token=row.access_token)
 
-    async def find_snapshot(self, ref: str) -> dict[str, Any] | None:
+    async def find_snapshot(self, ref: str) -> Snapshot | None:
         snap = await self.rows.find_snapshot(ref)
         if snap is not None:
             return snap

@@ -21,7 +21,10 @@ FULL_RETRY = 1.0  # seconds between looks for room on a host that holds its limi
 QUIET_S = 0.5  # a refill of a pool at least half full waits until no create has taken from it for this long
 
 
-class Pool:
+class WarmPool:
+    """Sandboxes of one template (or one built template's checkpoint) started ahead of demand, for creates to
+    claim; refilled in the background."""
+
     def __init__(self, key: str, size: int, start: Callable[[], Awaitable[SandboxRow]], template: str = "",
                  room: Callable[[], bool] = lambda: True) -> None:
         self.key = key

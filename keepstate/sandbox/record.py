@@ -168,3 +168,18 @@ def portable(row: SandboxRow) -> dict[str, Any]:
     return {"sandbox_id": row.sandbox_id, "template_id": row.template_id, "cpu": row.cpu,
             "memory_mb": row.memory_mb, "access_token": row.access_token, "api_key_id": row.api_key_id,
             "started_at": row.started_at, "doc": settings}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a create may start from besides a rootfs template: a snapshot of a sandbox, or a built template (or one
+    of its cached layers: keepstate.builds resolves both to this). `pool`: a built template's name (and tag), whose
+    warm pool of restores serves its creates (creates.py); None for a snapshot."""
+
+    snapshot_id: str
+    checkpoint_id: str
+    sandbox_id: str  # the sandbox it was taken of ("template-build" for a layer)
+    template_id: str
+    names: tuple[str, ...]
+    created_at: float = 0.0
+    pool: str | None = None

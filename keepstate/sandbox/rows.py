@@ -24,7 +24,7 @@ from keepstate.db.repos import Sandboxes, Snapshots
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.errors import Conflict
 
-from .record import SandboxRow, Settings, TeardownRecord
+from .record import SandboxRow, Settings, Snapshot, TeardownRecord
 from .state import State
 
 
@@ -100,15 +100,15 @@ class SandboxRows:
                                                  sandbox_id=sandbox_id, template_id=template_id,
                                                  created_at=time.time(), names=tuple(names)))
 
-    async def find_snapshot(self, ref: str) -> dict[str, Any] | None:
+    async def find_snapshot(self, ref: str) -> Snapshot | None:
         """A snapshot by ID, by name, or by a name:tag's name."""
         found = await self._snapshots.get(ref) or await self._snapshots.by_name(ref)
         if found is None and ":" in ref:
             found = await self._snapshots.by_name(ref.split(":")[0])
-        return snapshot_dict(found) if found is not None else None
+        return snapshot_of(found) if found is not None else None
 
-    async def snapshots(self) -> builtins.list[dict[str, Any]]:
-        return [snapshot_dict(s) for s in await self._snapshots.list()]
+    async def snapshots(self) -> builtins.list[Snapshot]:
+        return [snapshot_of(s) for s in await self._snapshots.list()]
 
     async def delete_snapshot(self, snapshot_id: str) -> bool:
         return await self._snapshots.delete(snapshot_id)
@@ -133,9 +133,9 @@ class SandboxRows:
                           settings=Settings.from_json(json.loads(rec.doc)))
 
 
-def snapshot_dict(s: SnapshotRecord) -> dict[str, Any]:
-    return {"snapshot_id": s.snapshot_id, "names": list(s.names), "checkpoint_id": s.checkpoint_id,
-            "sandbox_id": s.sandbox_id, "template_id": s.template_id, "created_at": s.created_at}
+def snapshot_of(s: SnapshotRecord) -> Snapshot:
+    return Snapshot(snapshot_id=s.snapshot_id, checkpoint_id=s.checkpoint_id, sandbox_id=s.sandbox_id,
+                    template_id=s.template_id, names=tuple(s.names), created_at=s.created_at)
 
 
 def _teardown_row(t: TeardownRecord) -> TeardownRow:

@@ -1,5 +1,5 @@
-"""The router's HTTP/1.1 connections into a sandbox's ports, and their keep-alive pool: one `Pool` per sandbox, which
-the AgentClient owns (its quiesce gate closes it; docs/design/network.md, "Inbound").
+"""The router's HTTP/1.1 connections into a sandbox's ports, and their keep-alive pool: one `SandboxConnections` per
+sandbox, which the AgentClient owns (its quiesce gate closes it; docs/design/network.md, "Inbound").
 
 A lean client on purpose: aiohttp's client cost the server's loop about 0.5 ms of CPU per request (its request and
 response objects, timers, connector and happy-eyeballs set-up), the largest part of what the router added to a port
@@ -10,8 +10,8 @@ and parses the answer with httptools (llhttp). What it keeps of aiohttp's behavi
   (HTTP/1.1 without `Connection: close`), the request's body sent in full and not a HEAD;
 - an idle pooled connection the sandbox closes is dropped when its FIN arrives; one idle for KEEPALIVE seconds is
   closed (a timer per pool);
-- `Pool.close()` closes every connection of the pool, idle or in use: the gate's "no connection open into a
-  sandbox being checkpointed" (agent_client.py), and a killed sandbox's cut.
+- `SandboxConnections.close()` closes every connection of the pool, idle or in use: the gate's "no connection open
+  into a sandbox being checkpointed" (agent_client.py), and a killed sandbox's cut.
 
 One thing it does that aiohttp does not: on a reused connection it asks the kernel to acknowledge the answer's
 segments at once (TCP_QUICKACK, after the request is written). A request sent soon after the previous answer puts
@@ -72,7 +72,7 @@ def _text(raw: bytes) -> str:
 class Connection(asyncio.Protocol):
     """One connection into a sandbox's port; one exchange at a time (`begin`, `write`, `response`, `chunk`)."""
 
-    def __init__(self, pool: Pool, key: Key) -> None:
+    def __init__(self, pool: SandboxConnections, key: Key) -> None:
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.reused = False  # the current exchange runs on a connection taken from the pool
@@ -269,7 +269,7 @@ class Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
 
-class Pool:
+class SandboxConnections:
     """One sandbox's connections: the idle ones by (scheme, address, port), and every open one, so that `close`
     leaves none."""
 

@@ -38,7 +38,7 @@ async def test_rows_and_snapshots_survive_a_restart(database: Database) -> None:
         await again.put(got)  # the next server writes the row it read
         assert (await rows.get("abc")).state is State.PAUSED  # type: ignore[union-attr]
         snap = await again.find_snapshot("s1")
-        assert snap is not None and snap["names"] == ["n"] and snap["checkpoint_id"] == "CK"
+        assert snap is not None and snap.names == ("n",) and snap.checkpoint_id == "CK"
         assert (await again.find_snapshot("n:latest")) == snap  # by a name:tag's name too
         assert await again.delete_snapshot("s1") and await again.snapshots() == []
     finally:

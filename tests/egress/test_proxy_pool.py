@@ -22,7 +22,7 @@ import pytest
 from keepstate.egress.ca import CA
 from keepstate.egress.pipe import Side
 from keepstate.egress.policy import Policy, parse
-from keepstate.egress.pool import Key, Pool, Upstream, Watched
+from keepstate.egress.pool import Key, Upstream, UpstreamConnections, Watched
 from keepstate.egress.proxy import Proxy
 from keepstate.testing.internet_http import Site, serve_site, tls_context
 
@@ -115,7 +115,7 @@ async def site() -> AsyncIterator[tuple[Site, dict[str, int]]]:
         server.close()
 
 
-def make_proxy(env_ref: list[Env], ca_pem: str, egress_ca: CA, pool: Pool | None = None) -> Proxy:
+def make_proxy(env_ref: list[Env], ca_pem: str, egress_ca: CA, pool: UpstreamConnections | None = None) -> Proxy:
     return Proxy(lookup=lambda ip: env_ref[0].policies.get(ip), secret_value=secrets_of({"k": SECRET}), ca=egress_ca,
                  upstream_trust=ssl.create_default_context(cadata=ca_pem), guard=lambda ip: ip != "127.0.0.1",
                  original_dst=lambda sock: ("127.0.0.1", env_ref[0].targets[sock.getpeername()[0]]), pool=pool)
@@ -250,7 +250,7 @@ async def test_a_keep_alive_client_connection_ends_when_its_upstream_does(env: E
 
 # --- bounds -----------------------------------------------------------------------------------------------------
 
-async def own_proxy(site: tuple[Site, dict[str, int]], pool: Pool) -> Env:
+async def own_proxy(site: tuple[Site, dict[str, int]], pool: UpstreamConnections) -> Env:
     s, ports = site
     ref: list[Env] = []
     egress_ca = CA.create("pool test egress CA")
@@ -261,7 +261,7 @@ async def own_proxy(site: tuple[Site, dict[str, int]], pool: Pool) -> Env:
 
 
 async def test_idle_connections_per_key_are_bounded(site: tuple[Site, dict[str, int]]) -> None:
-    e = await own_proxy(site, Pool(per_key=2))
+    e = await own_proxy(site, UpstreamConnections(per_key=2))
     try:
         src = e.sandbox()
         clients = [await open_client(e, src) for _ in range(3)]  # three at once: three upstream connections
@@ -279,7 +279,7 @@ async def test_idle_connections_per_key_are_bounded(site: tuple[Site, dict[str, 
 
 
 async def test_an_idle_connection_times_out(site: tuple[Site, dict[str, int]]) -> None:
-    e = await own_proxy(site, Pool(idle_s=0.2))
+    e = await own_proxy(site, UpstreamConnections(idle_s=0.2))
     try:
         src = e.sandbox()
         first = (await request(e, src)).json()["connection"]
@@ -303,7 +303,7 @@ async def test_the_pool_drops_an_idle_connection_its_upstream_closes_and_one_wit
     ends: list[asyncio.StreamWriter] = []
     server = await asyncio.start_server(lambda r, w: ends.append(w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    pool, policy = Pool(), rules()
+    pool, policy = UpstreamConnections(), rules()
     key = Key("127.2.255.1", "127.0.0.1", port, None, None)
     try:
         conn = await raw_upstream(port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from keepstate.sandbox.pool import QUIET_S, Pool
+from keepstate.sandbox.pool import QUIET_S, WarmPool
 from keepstate.sandbox.record import SandboxRow
 
 
@@ -15,7 +15,7 @@ def _rows(n: int) -> list[SandboxRow]:
 
 def test_a_refill_waits_while_creates_take_from_a_pool_at_least_half_full() -> None:
     async def go() -> None:
-        pool = Pool("k", 4, start=lambda: asyncio.sleep(0, _rows(1)[0]))
+        pool = WarmPool("k", 4, start=lambda: asyncio.sleep(0, _rows(1)[0]))
         for row in _rows(4):
             pool.adopt(row)
         assert pool.hold(asyncio.get_running_loop().time()) == 0  # nothing taken yet
@@ -43,7 +43,7 @@ def test_the_pool_refills_once_takes_stop() -> None:
                 full.set()
             return row
 
-        pool = Pool("k", 2, start=start)
+        pool = WarmPool("k", 2, start=start)
         pool.start()
         await asyncio.wait_for(_until(lambda: len(pool) == 2), 5)
         assert pool.take() is started[0]

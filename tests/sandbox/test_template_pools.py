@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 from keepstate.sandbox import creates
+from keepstate.sandbox.record import Snapshot
 from keepstate.sandbox.state import State
 from keepstate.testing import FakeRuntime
 
@@ -21,21 +23,21 @@ from .test_idle import bounded, create, fake, until
 from .test_races import read_file, write_file
 
 
-async def snapshot_with(s: Served, content: bytes) -> dict[str, Any]:
+async def snapshot_with(s: Served, content: bytes) -> Snapshot:
     sid, token = await create(s)
     await bounded(write_file(s, sid, token, "/home/user/built", content))
     status, snap = await bounded(s.call("POST", f"/sandboxes/{sid}/snapshots", {}))
     assert status == 201, snap
     row = await s.stored.find_snapshot(snap["snapshotID"])
     assert row is not None
-    return dict(row)
+    return row
 
 
-def name_template(s: Served, snaps: dict[str, dict[str, Any]]) -> None:
+def name_template(s: Served, snaps: dict[str, Snapshot]) -> None:
     """`Sandbox.create("tpl")` resolves to snaps["tpl"], as a built template (one with a pool)."""
 
-    async def resolve(ref: str) -> dict[str, Any] | None:
-        return {**snaps[ref], "pool": ref} if ref in snaps else None
+    async def resolve(ref: str) -> Snapshot | None:
+        return replace(snaps[ref], pool=ref) if ref in snaps else None
 
     s.manager.template_resolver = resolve
 
@@ -108,7 +110,7 @@ async def test_a_rebuilt_template_is_never_served_from_the_old_builds_pool() -> 
         assert old.manifest.checkpoint_id not in s.manager.pools
         await until(lambda: not live(s, old_name), "the old build's pooled sandbox to be torn down")
         new = await ready_pool(s, "tpl")
-        assert new.manifest.checkpoint_id == snaps["tpl"]["checkpoint_id"]
+        assert new.manifest.checkpoint_id == snaps["tpl"].checkpoint_id
 
 
 async def test_a_pool_no_create_came_for_is_drained() -> None:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from keepstate.api import router
 from keepstate.sandbox import upstream
-from keepstate.sandbox.upstream import Pool
+from keepstate.sandbox.upstream import SandboxConnections
 from keepstate.testing import FakeRuntime
 
 from .conftest import Served
@@ -114,7 +114,7 @@ def to_port(sid: str, port: int = PORT) -> dict[str, str]:
     return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)}
 
 
-def pool_of(s: Served, sid: str) -> Pool:
+def pool_of(s: Served, sid: str) -> SandboxConnections:
     return s.manager.agents._pools[sid]  # noqa: SLF001 - what the gate closes
 
 
