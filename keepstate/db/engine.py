@@ -1,4 +1,4 @@
-"""The one way into the database: an async engine per database kind, transactions, and the errors that mean "down".
+"""The one way into the database: an engine per database kind, transactions, and the errors that mean "down".
 
     db = await Database.open("sqlite:///home/keepstate.sqlite")   # or postgresql://...; fails fast if unreachable
     async with db.transaction() as conn: ...   # a write transaction, committed at the end of the block
@@ -8,8 +8,9 @@
 SQLite (docs/design/database.md, "Concurrency rules"): WAL, synchronous=NORMAL, busy_timeout 5 s; one writer
 connection whose transactions begin IMMEDIATE (the write lock is taken at BEGIN, so a transaction never upgrades a
 read lock to a write lock, which deadlocks), readers pooled with plain (deferred) BEGIN. The sqlite3 driver's own
-BEGIN handling is turned off and SQLAlchemy emits ours: the recipe of SQLAlchemy's SQLite dialect documentation
-("Enabling Non-Legacy SQLite Transactional Modes"), needed on Python 3.11, which lacks `autocommit=False`.
+BEGIN handling is turned off and we emit ours (SQLAlchemy's SQLite dialect documentation, "Enabling Non-Legacy
+SQLite Transactional Modes": Python 3.11 lacks `autocommit=False`). Statements run on the loop's thread through
+SQLAlchemy's synchronous engine (inline_sqlite.py says why that never waits there, and why it is not asyncio's).
 
 PostgreSQL: psycopg 3 (libpq), READ COMMITTED, `statement_timeout` 10 s, `connect_timeout` 5 s unless the URL sets
 one, and pre-ping on checkout, so a server that restarted costs no failed call once it is back.
@@ -22,14 +23,14 @@ error (a constraint, a bug in a statement) passes through as SQLAlchemy's.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from sqlalchemy import event, exc, text
-from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.engine import Connection, CursorResult, Engine, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from keepstate.db import inline_sqlite
 from keepstate.db.errors import DatabaseUnavailable
@@ -47,14 +48,26 @@ _SQLITE_UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CANTOPEN", "SQLIT
                        "SQLITE_PROTOCOL")
 
 
+T = TypeVar("T")
+
+
+class Conn(Protocol):
+    """A transaction's connection, on either kind: SQLAlchemy's AsyncConnection (PostgreSQL) or inline_sqlite's."""
+
+    async def execute(self, statement: Any, parameters: Any = None) -> CursorResult[Any]: ...
+
+    async def scalar(self, statement: Any, parameters: Any = None) -> Any: ...
+
+    async def run_sync(self, fn: Callable[[Connection], T]) -> T: ...
+
+
 class Database:
     """An open database: one for the whole process, shared by every repository."""
 
-    def __init__(self, url: DatabaseURL, writer: AsyncEngine, reader: AsyncEngine) -> None:
+    def __init__(self, url: DatabaseURL, engine: AsyncEngine | inline_sqlite.InlineSQLite) -> None:
         self.url = url
-        self._writer = writer
-        self._reader = reader
-        for engine in {id(writer): writer, id(reader): reader}.values():
+        self._engine = engine
+        if isinstance(engine, AsyncEngine):
             event.listen(engine.sync_engine, "before_cursor_execute", _refuse_nul)
 
     @property
@@ -72,9 +85,8 @@ class Database:
                 parsed.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise DatabaseUnavailable(f"{parsed.shown}: cannot make {parsed.path.parent}: {e.strerror}") from e
-            return cls(parsed, _sqlite_engine(parsed, write=True), _sqlite_engine(parsed, write=False))
-        engine = _postgres_engine(parsed)
-        return cls(parsed, engine, engine)
+            return cls(parsed, inline_sqlite.InlineSQLite(str(parsed.path), SQLITE_BUSY_TIMEOUT_MS / 1000, _prepare))
+        return cls(parsed, _postgres_engine(parsed))
 
     @classmethod
     async def open(cls, url: str | DatabaseURL) -> Database:
@@ -93,21 +105,30 @@ class Database:
             await conn.execute(text("SELECT 1"))
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+    async def transaction(self) -> AsyncIterator[Conn]:
         """A write transaction: committed when the block ends, rolled back if it raises."""
-        async with self._translated(), self._writer.begin() as conn:
-            yield conn
+        if isinstance(self._engine, AsyncEngine):
+            async with self._translated(), self._engine.begin() as conn:
+                yield conn
+        else:
+            async with self._translated(), self._engine.transaction(POOL_TIMEOUT_S) as inline:
+                yield inline
 
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
+    async def read(self) -> AsyncIterator[Conn]:
         """A transaction for reads only (on SQLite it takes no write lock, and must not write)."""
-        async with self._translated(), self._reader.begin() as conn:
-            yield conn
+        if isinstance(self._engine, AsyncEngine):
+            async with self._translated(), self._engine.begin() as conn:
+                yield conn
+        else:
+            async with self._translated(), self._engine.read() as inline:
+                yield inline
 
     async def close(self) -> None:
-        await self._writer.dispose()
-        if self._reader is not self._writer:
-            await self._reader.dispose()
+        if isinstance(self._engine, AsyncEngine):
+            await self._engine.dispose()
+        else:
+            self._engine.close()
 
     @asynccontextmanager
     async def _translated(self) -> AsyncIterator[None]:
@@ -136,37 +157,23 @@ def unavailable_reason(e: BaseException) -> str | None:
     """Why `e` means the database cannot be reached or cannot answer now; None for any other error."""
     if isinstance(e, exc.TimeoutError):  # the pool had no connection to give in time
         return str(e).splitlines()[0]
-    if not isinstance(e, exc.DBAPIError):
+    if isinstance(e, sqlite3.Error):  # raised by inline_sqlite itself (its BEGIN, its writers' queue): not wrapped
+        orig: BaseException = e
+    elif isinstance(e, exc.DBAPIError) and e.orig is not None:
+        orig = e.orig
+    else:
         return None
-    orig = e.orig
     reason = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-    if e.connection_invalidated or isinstance(orig, psycopg.OperationalError):
+    if isinstance(e, exc.DBAPIError) and e.connection_invalidated or isinstance(orig, psycopg.OperationalError):
         return reason
-    if isinstance(orig, sqlite3.Error) and str(getattr(orig, "sqlite_errorname", "")).startswith(_SQLITE_UNAVAILABLE):
+    if isinstance(orig, sqlite3.Error) and (str(getattr(orig, "sqlite_errorname", "")).startswith(_SQLITE_UNAVAILABLE)
+                                            or reason.endswith("database is locked")):
         return reason
     return None
 
 
-def _sqlite_engine(url: DatabaseURL, *, write: bool) -> AsyncEngine:
-    # Statements run on the loop's thread (inline_sqlite.py: why, and why that never waits for a lock there); every
-    # transaction ends in a COMMIT or ROLLBACK of its own, so a connection needs no reset when it goes back.
-    assert url.path is not None
-    options: dict[str, Any] = {"async_creator": inline_sqlite.creator(str(url.path), SQLITE_BUSY_TIMEOUT_MS / 1000),
-                               "pool_timeout": POOL_TIMEOUT_S, "pool_reset_on_return": None}
-    if write:  # one writer connection: writers of this process queue here, not on SQLite's busy loop
-        options |= {"pool_size": 1, "max_overflow": 0}
-    engine = create_async_engine(url.sqlalchemy_url, **options)
-    begin = "BEGIN IMMEDIATE" if write else "BEGIN"
-
-    @event.listens_for(engine.sync_engine, "connect")
-    def _connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # the driver emits no BEGIN of its own: _begin does
-
-    @event.listens_for(engine.sync_engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql(begin)
-
-    return engine
+def _prepare(engine: Engine) -> None:
+    event.listen(engine, "before_cursor_execute", _refuse_nul)
 
 
 def _postgres_engine(url: DatabaseURL) -> AsyncEngine:

@@ -1,18 +1,22 @@
-"""An aiosqlite-shaped connection that runs SQLite statements on the calling thread, for SQLAlchemy's
-`sqlite+aiosqlite` dialect (`create_async_engine(..., async_creator=connect)`).
+"""SQLite on the event loop's own thread: SQLAlchemy's synchronous engine (the stdlib `sqlite3` driver) behind the
+same awaitable connection the PostgreSQL engine gives, so repositories are written once.
 
-Why: aiosqlite hands every DBAPI call (cursor, execute, fetch, close, BEGIN, COMMIT) to a thread of its own and
-back; measured here, about 8 such hops and 1 ms per transaction, 150 times a plain sqlite3 statement (7 us). The
-gateway makes about seven transactions per model call: 13 ms added where the goal is under 1 ms
-(benchmarks/db.py, 2026-12-05).
+Why not an async driver: aiosqlite hands every DBAPI call to a thread of its own and back (about 8 hops and 1 ms
+per transaction here, 150 times a plain statement), and even with the calls made in place, SQLAlchemy's asyncio
+layer (a greenlet per call, an awaited pool checkout) cost 0.17 ms of a 0.2 ms one-statement transaction. The
+synchronous engine runs the same transaction in 0.03 ms (benchmarks/db.py). The metering gateway makes about seven
+transactions per model call, and its goal is under 1 ms added.
 
 Why it does not block the event loop: in WAL mode a reader never waits for a lock, and a writer waits only to take
-the write lock, which our write transactions take at their first statement (`BEGIN IMMEDIATE`, engine.py). So the
-connection runs with `busy_timeout` 0, and a `BEGIN IMMEDIATE` that finds the lock held (another process writing:
-a CLI command, a standalone gateway) is retried after an `await asyncio.sleep`, until the engine's busy timeout
-passes, then raised as SQLite's own "database is locked" (DatabaseUnavailable, 503). Every other statement runs
-at once: microseconds, with `synchronous=NORMAL` (no fsync at commit). What can still take longer on the loop is a
-WAL checkpoint (every 1000 pages written), which fsyncs: milliseconds.
+the write lock, which our write transactions take at their first statement (`BEGIN IMMEDIATE`). So connections run
+with `busy_timeout` 0, and a `BEGIN IMMEDIATE` that finds the lock held (another process writing: a CLI command, a
+standalone gateway) is retried after an `await asyncio.sleep`, until the busy timeout passes, then raised as
+SQLite's own "database is locked" (DatabaseUnavailable, 503). Writers of this process queue on an asyncio lock,
+never on SQLite. Every other statement runs at once: microseconds, with `synchronous=NORMAL` (no fsync at commit).
+What can still take longer on the loop is a WAL checkpoint (every 1000 pages written), which fsyncs: milliseconds.
+
+Rows are fetched when a statement runs (as the asyncio engine's drivers do), so a result read after its transaction
+ended is still whole.
 """
 
 from __future__ import annotations
@@ -20,139 +24,186 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import create_engine, pool
+from sqlalchemy.engine import Connection, CursorResult, Engine
 
 BEGIN_RETRY_S = 0.002  # the first wait for another process's write lock; doubled up to BEGIN_RETRY_MAX_S
 BEGIN_RETRY_MAX_S = 0.05
+READERS = 8  # reader connections kept; more are opened (never waited for) when more read at once
+
+T = TypeVar("T")
 
 
-class _Now:
-    """aiosqlite's queue of calls for its thread (the dialect puts the isolation-level setter on it): run now."""
+class _Cursor(sqlite3.Cursor):
+    """A cursor that fetches a statement's rows as it runs it."""
 
-    def put_nowait(self, item: tuple[asyncio.Future[Any], Callable[[], Any]]) -> None:
-        future, function = item
-        try:
-            future.set_result(function())
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting caller, as aiosqlite does
-            future.set_exception(e)
+    _rows: list[Any]
+    _at: int
 
-
-class Cursor:
-    def __init__(self, cursor: sqlite3.Cursor, busy_timeout_s: float) -> None:
-        self._cursor = cursor
-        self._busy_timeout_s = busy_timeout_s
-
-    async def __aenter__(self) -> Cursor:
+    def execute(self, sql: str, parameters: Any = (), /) -> _Cursor:
+        super().execute(sql, parameters)
+        self._rows, self._at = (super().fetchall() if self.description is not None else []), 0
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        self._cursor.close()
+    def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> _Cursor:
+        super().executemany(sql, seq_of_parameters)
+        self._rows, self._at = [], 0
+        return self
 
-    @property
-    def description(self) -> Any:
-        return self._cursor.description
+    def fetchone(self) -> Any:
+        if self._at >= len(self._rows):
+            return None
+        self._at += 1
+        return self._rows[self._at - 1]
 
-    @property
-    def rowcount(self) -> int:
-        return self._cursor.rowcount
+    def fetchmany(self, size: int | None = None) -> list[Any]:
+        n = self.arraysize if size is None else size
+        out = self._rows[self._at:self._at + n]
+        self._at += len(out)
+        return out
 
-    @property
-    def lastrowid(self) -> int | None:
-        return self._cursor.lastrowid
+    def fetchall(self) -> list[Any]:
+        out = self._rows[self._at:]
+        self._at = len(self._rows)
+        return out
 
-    @property
-    def arraysize(self) -> int:
-        return self._cursor.arraysize
 
-    @arraysize.setter
-    def arraysize(self, value: int) -> None:
-        self._cursor.arraysize = value
+class _Connection(sqlite3.Connection):
+    def cursor(self, factory: Any = _Cursor) -> Any:
+        return super().cursor(factory)
 
-    async def execute(self, sql: str, parameters: Sequence[Any] | dict[str, Any] = ()) -> Cursor:
-        if sql.lstrip().upper().startswith("BEGIN IMMEDIATE"):
-            await self._begin_immediate(sql)
+
+class InlineConnection:
+    """What a transaction's block gets: the asyncio engine's `execute` and `run_sync`, run in place."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.sync_connection = conn
+
+    async def execute(self, statement: Any, parameters: Any = None) -> CursorResult[Any]:
+        return self.sync_connection.execute(statement, parameters)
+
+    async def scalar(self, statement: Any, parameters: Any = None) -> Any:
+        return self.sync_connection.scalar(statement, parameters)
+
+    async def run_sync(self, fn: Callable[[Connection], T]) -> T:
+        return fn(self.sync_connection)
+
+
+class InlineSQLite:
+    """The SQLite file `path`: one writer connection, pooled readers, all used on the loop's thread."""
+
+    def __init__(self, path: str, busy_timeout_s: float, prepare: Callable[[Engine], None]) -> None:
+        self.busy_timeout_s = busy_timeout_s
+
+        def connect() -> sqlite3.Connection:
+            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, factory=_Connection)
+            try:
+                # Once per connection: turning a new file to WAL may wait for a lock, here only.
+                conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute("PRAGMA busy_timeout=0")  # from now on never wait on the loop: BEGIN IMMEDIATE retries
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        # The driver's own BEGIN handling is off (isolation_level=None): SQLAlchemy's begin is bookkeeping only,
+        # and transactions begin with the statement written out below.
+        self.writer = create_engine("sqlite://", creator=connect, poolclass=pool.QueuePool, pool_size=1,
+                                    max_overflow=0, pool_reset_on_return=None)
+        self.reader = create_engine("sqlite://", creator=connect, poolclass=pool.QueuePool, pool_size=READERS,
+                                    max_overflow=-1, pool_reset_on_return=None)
+        for engine in (self.writer, self.reader):
+            prepare(engine)
+        self._write = asyncio.Lock()  # writers of this process queue here, never on SQLite's lock
+        # SQLAlchemy connections kept between transactions (making one costs more than a short transaction): the
+        # writer's, and idle readers'. All on the loop's thread, so a list is enough.
+        self._writer_conn: Connection | None = None
+        self._idle_readers: list[Connection] = []
+
+    @asynccontextmanager
+    async def transaction(self, wait_s: float) -> AsyncIterator[InlineConnection]:
+        if self._write.locked():
+            try:
+                await asyncio.wait_for(self._write.acquire(), wait_s)
+            except TimeoutError:
+                raise sqlite3.OperationalError(f"no write transaction could start within {wait_s:.0f} s: "
+                                               "database is locked") from None
         else:
-            self._cursor.execute(sql, parameters)
-        return self
+            await self._write.acquire()  # free: taken without suspending
+        try:
+            conn, self._writer_conn = self._writer_conn or self.writer.connect(), None
+            try:
+                await self._begin_immediate(conn)
+                with _ending(conn):
+                    yield InlineConnection(conn)
+            except BaseException:
+                conn.close()  # after any error it is made anew
+                raise
+            self._writer_conn = conn
+        finally:
+            self._write.release()
 
-    async def _begin_immediate(self, sql: str) -> None:
-        deadline = time.monotonic() + self._busy_timeout_s
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[InlineConnection]:
+        conn = self._idle_readers.pop() if self._idle_readers else self.reader.connect()
+        try:
+            raw = conn.connection.dbapi_connection
+            assert raw is not None
+            conn.begin()
+            raw.execute("BEGIN")
+            with _ending(conn):
+                yield InlineConnection(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if len(self._idle_readers) < READERS:
+            self._idle_readers.append(conn)
+        else:
+            conn.close()
+
+    async def _begin_immediate(self, conn: Connection) -> None:
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        conn.begin()
+        deadline = time.monotonic() + self.busy_timeout_s
         wait = BEGIN_RETRY_S
         while True:
             try:
-                self._cursor.execute(sql)
+                raw.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as e:
                 if getattr(e, "sqlite_errorname", "") != "SQLITE_BUSY" or time.monotonic() >= deadline:
+                    conn.rollback()
                     raise
             await asyncio.sleep(wait)
             wait = min(wait * 2, BEGIN_RETRY_MAX_S)
 
-    async def executemany(self, sql: str, seq_of_parameters: Iterable[Any]) -> Cursor:
-        self._cursor.executemany(sql, seq_of_parameters)
-        return self
-
-    async def fetchall(self) -> list[Any]:
-        return self._cursor.fetchall()
-
-    async def fetchone(self) -> Any:
-        return self._cursor.fetchone()
-
-    async def fetchmany(self, size: int | None = None) -> list[Any]:
-        return self._cursor.fetchmany(size if size is not None else self._cursor.arraysize)
-
-    async def close(self) -> None:
-        self._cursor.close()
-
-
-class Connection:
-    def __init__(self, conn: sqlite3.Connection, busy_timeout_s: float) -> None:
-        self._conn = conn
-        self._connection = conn  # what the dialect checks before a commit or rollback
-        self._tx = _Now()
-        self._busy_timeout_s = busy_timeout_s
-
-    @property
-    def isolation_level(self) -> str | None:
-        return self._conn.isolation_level
-
-    def cursor(self) -> Cursor:
-        return Cursor(self._conn.cursor(), self._busy_timeout_s)
-
-    async def execute(self, sql: str, parameters: Sequence[Any] | dict[str, Any] = ()) -> Cursor:
-        return await self.cursor().execute(sql, parameters)
-
-    async def create_function(self, *args: Any, **kw: Any) -> None:
-        self._conn.create_function(*args, **kw)
-
-    async def commit(self) -> None:
-        self._conn.commit()
-
-    async def rollback(self) -> None:
-        self._conn.rollback()
-
-    async def close(self) -> None:
-        self._conn.close()
-
-    def stop(self) -> None:
-        self._conn.close()
-
-
-def creator(path: str, busy_timeout_s: float) -> Callable[[], Any]:
-    """The `async_creator` of an engine on the SQLite file `path`."""
-
-    async def connect() -> Connection:
-        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        try:
-            # Once per connection (a pool keeps them): turning a new file to WAL may wait for a lock, here only.
-            conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=0")  # from now on never wait on the loop: BEGIN IMMEDIATE retries
-        except BaseException:
+    def close(self) -> None:
+        for conn in [*self._idle_readers, *([self._writer_conn] if self._writer_conn is not None else [])]:
             conn.close()
-            raise
-        return Connection(conn, busy_timeout_s)
+        self._idle_readers, self._writer_conn = [], None
+        self.writer.dispose()
+        self.reader.dispose()
 
-    return connect
+
+class _ending:
+    """Commit when the block ends, roll back if it raises (a cancellation included): synchronous, so nothing can
+    come between the block and its end."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.conn.commit()
+        else:
+            self.conn.rollback()

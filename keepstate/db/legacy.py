@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from keepstate.db import schema
-from keepstate.db.engine import Database
+from keepstate.db.engine import Conn, Database
 from keepstate.errors import KeepStateError
 
 log = logging.getLogger("keepstate.db")
@@ -112,7 +111,7 @@ def _rows(old: sqlite3.Connection, table: str) -> Iterator[dict[str, Any]]:
         yield dict(row)
 
 
-async def _copy(conn: AsyncConnection, old: sqlite3.Connection, table_name: str, node_id: str) -> int:
+async def _copy(conn: Conn, old: sqlite3.Connection, table_name: str, node_id: str) -> int:
     table = schema.metadata.tables[table_name]
     wanted = set(table.c.keys())
     batch: list[dict[str, Any]] = []
@@ -128,7 +127,7 @@ async def _copy(conn: AsyncConnection, old: sqlite3.Connection, table_name: str,
     return count + await _insert(conn, table, batch)
 
 
-async def _insert(conn: AsyncConnection, table: sa.Table, batch: list[dict[str, Any]]) -> int:
+async def _insert(conn: Conn, table: sa.Table, batch: list[dict[str, Any]]) -> int:
     if not batch:
         return 0
     columns = sorted({k for values in batch for k in values})
@@ -136,7 +135,7 @@ async def _insert(conn: AsyncConnection, table: sa.Table, batch: list[dict[str, 
     return len(batch)
 
 
-async def _copy_snapshots(conn: AsyncConnection, old: sqlite3.Connection) -> int:
+async def _copy_snapshots(conn: Conn, old: sqlite3.Connection) -> int:
     count = 0
     for row in _rows(old, "snapshots"):
         names = json.loads(row.pop("names") or "[]")
@@ -148,14 +147,14 @@ async def _copy_snapshots(conn: AsyncConnection, old: sqlite3.Connection) -> int
     return count
 
 
-async def _copy_secrets_key(conn: AsyncConnection, old: sqlite3.Connection) -> None:
+async def _copy_secrets_key(conn: Conn, old: sqlite3.Connection) -> None:
     known = old.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
     found = old.execute("SELECT v FROM meta WHERE k=?", (SECRETS_KEY_META,)).fetchone() if known else None
     if found is not None:
         await conn.execute(schema.secrets_key.insert().values(id=1, fingerprint=found[0]))
 
 
-async def _advance_sequences(conn: AsyncConnection) -> None:
+async def _advance_sequences(conn: Conn) -> None:
     """PostgreSQL's serial columns do not move on an explicit insert: set each to the largest value copied."""
     for table in schema.metadata.sorted_tables:
         for col in table.c:
@@ -165,7 +164,7 @@ async def _advance_sequences(conn: AsyncConnection) -> None:
                     f"COALESCE((SELECT MAX({col.name}) FROM {table.name}), 0) + 1, false)"))
 
 
-async def _empty(conn: AsyncConnection) -> bool:
+async def _empty(conn: Conn) -> bool:
     for file_tables in _TABLES.values():
         for name in file_tables:
             table = schema.metadata.tables[name]
@@ -174,7 +173,7 @@ async def _empty(conn: AsyncConnection) -> bool:
     return True
 
 
-async def _imported_already(conn: AsyncConnection, files: list[Path]) -> bool:
+async def _imported_already(conn: Conn, files: list[Path]) -> bool:
     """Whether every witness row of the files is in the database (and at least one file has one)."""
     seen = 0
     for path in files:

@@ -7,12 +7,13 @@ decides. Rules: docs/design/gateway.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import ipaddress
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -86,8 +87,10 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)
 def normal_ip(address: str) -> str:
-    """One spelling per address (an IPv4 peer can reach a dual-stack socket as ::ffff:a.b.c.d)."""
+    """One spelling per address (an IPv4 peer can reach a dual-stack socket as ::ffff:a.b.c.d); remembered, as
+    every call of a sandbox comes from the same few."""
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
@@ -118,6 +121,7 @@ class Gateway:
         self._lineages: dict[str, tuple[str, ...]] = {}  # session -> itself and its ancestors, nearest first
         self._inflight: dict[str, InflightCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._delivering: set[asyncio.Task[None]] = set()  # delivery times being written (delivered)
         self._session: aiohttp.ClientSession | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
@@ -136,6 +140,7 @@ class Gateway:
 
     async def close(self, grace_s: float = 30.0) -> None:
         """Let upstream calls in flight finish (up to `grace_s`), then close."""
+        await self._delivered_written()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
         for t in list(self._tasks):
@@ -150,6 +155,7 @@ class Gateway:
         """Wait until no upstream call is in flight (tests and benchmarks)."""
         while self._tasks:
             await asyncio.wait(set(self._tasks))
+        await self._delivered_written()
 
     # --- runs, checkpoints, budgets (the integration API) --------------------------------------------------------
 
@@ -206,6 +212,7 @@ class Gateway:
         (`time.time()` just before and just after the sandbox was frozen for the image) bound the freeze; without
         them the mark is a wider window that the restored run's first call narrows by its body. Returns the
         lowest position the restored agent can make first."""
+        await self._delivered_written()  # every answer sent so far counts as delivered in the mark
         run = await self.ledger.active_run(session_id)
         if run is None:
             raise LookupError(f"session {session_id} has no active gateway run")
@@ -279,10 +286,15 @@ class Gateway:
 
     async def authenticate_waiting(self, token: str | None, peer: str | None = None) -> Run:
         """`authenticate`, waiting up to `binding_wait_s` for a just-restored sandbox instance to be bound."""
+        return (await self.caller_waiting(token, peer)).run
+
+    async def caller_waiting(self, token: str | None, peer: str | None = None) -> _RunState:
+        """The caller's run state, as `authenticate_waiting` finds it: what `begin` takes, so that a call is
+        authenticated once."""
         deadline = time.monotonic() + self.config.binding_wait_s
         while True:
             try:
-                return await self.authenticate(token, peer)
+                return await self._caller(token, peer)
             except BindingPending:
                 if time.monotonic() >= deadline:
                     raise
@@ -300,14 +312,14 @@ class Gateway:
     def listed_models(self, kind: str) -> list[str]:
         return [m for p in self.config.providers if p.kind == kind for m in p.listed_models()]
 
-    async def begin(self, req: CallRequest) -> Answer:
+    async def begin(self, req: CallRequest, caller: _RunState | None = None) -> Answer:
         """Decide how to answer one call; everything up to the upstream request happens here, one call at a time,
-        so that ordinals follow arrival order."""
+        so that ordinals follow arrival order. `caller`: the run state `caller_waiting` found for this request (else
+        it is found here)."""
         async with self._deciding:
-            return await self._begin(req)
+            return await self._begin(req, caller or await self._caller(req.token, req.peer))
 
-    async def _begin(self, req: CallRequest) -> Answer:
-        state = await self._caller(req.token, req.peer)
+    async def _begin(self, req: CallRequest, state: _RunState) -> Answer:
         run = state.run
         provider = self.route(req.endpoint, req.body.get("model"))
         digest = callkey.body_hash(req.endpoint, req.body)
@@ -321,7 +333,7 @@ class Gateway:
             live.joiners.append(attempt)
             return Answer(key, "joined", live=live, run_id=run.run_id, ordinal=ordinal, delivers=delivers)
 
-        stored = await self.ledger.call(key)
+        stored, applicable = await self.ledger.call_and_budgets(key, _scopes(run))
         if stored is not None and stored.status == "done" and stored.response is not None:
             await self._add_position(run, ordinal, key, digest, "store")
             await self.ledger.record_served("store", attempt, stored.ok_entry_id, stored.http_status)
@@ -335,7 +347,7 @@ class Gateway:
             if owner_alive(stored.owner, self.owner):
                 raise errors.in_progress_elsewhere()
             await self._recover()
-        return await self._go_upstream(req, attempt, provider, digest, ordinal, delivers)
+        return await self._go_upstream(req, attempt, provider, digest, ordinal, delivers, applicable)
 
     async def _recover(self) -> list[str]:
         """Recover the calls in flight whose owning process died (as interrupted, billed once)."""
@@ -406,11 +418,12 @@ class Gateway:
 
     async def _go_upstream(
         self, req: CallRequest, attempt: Attempt, provider: ProviderConfig, digest: str, ordinal: int | None,
-        delivers: int | None,
+        delivers: int | None, applicable: list[tuple[str, str]],
     ) -> Answer:
+        """`applicable`: the budgets of the call's scopes that exist (read with the call's stored answer)."""
         run = attempt.run
-        scopes = [("session", run.session_id)] + ([("key", run.api_key_id)] if run.api_key_id else [])
-        applicable = await self.ledger.existing_budgets(scopes)
+        if not applicable:
+            attempt = replace(attempt, reserved=False)  # nothing reserved: nothing to settle when it finishes
         amount, cap_field = 0, None
         if applicable:
             price = self.prices.price(attempt.model)
@@ -452,11 +465,28 @@ class Gateway:
         if not task.cancelled() and task.exception() is not None:
             log.error("upstream call failed inside the gateway", exc_info=task.exception())
 
-    async def delivered(self, answer: Answer) -> None:
-        """The client has the whole answer: a checkpoint taken from now on will not expect this call again."""
-        if answer.delivers is not None:
-            at = time.time()  # now, not when the write below gets the database: the client may act meanwhile
-            try:
-                await self.ledger.set_delivered(answer.run_id, answer.delivers, at)
-            except DatabaseUnavailable as e:  # the answer was sent: the position stays undelivered (conservative)
-                log.warning("position %s of run %s not marked delivered: %s", answer.delivers, answer.run_id, e)
+    def delivered(self, answer: Answer) -> None:
+        """The client has the whole answer: a checkpoint taken from now on will not expect this call again. The
+        time is taken now and written once the handler has returned (its connection takes the next request
+        meanwhile); a mark, a drain and a close wait for the writes begun before them."""
+        if answer.delivers is None:
+            return
+        at = time.time()  # now, not when the write gets the database: the client may act meanwhile
+        task = asyncio.get_running_loop().create_task(self._set_delivered(answer.run_id, answer.delivers, at))
+        self._delivering.add(task)
+        task.add_done_callback(self._delivering.discard)
+
+    async def _set_delivered(self, run_id: str, ordinal: int, at: float) -> None:
+        try:
+            await self.ledger.set_delivered(run_id, ordinal, at)
+        except DatabaseUnavailable as e:  # the answer was sent: the position stays undelivered (conservative)
+            log.warning("position %s of run %s not marked delivered: %s", ordinal, run_id, e)
+
+    async def _delivered_written(self) -> None:
+        if self._delivering:
+            await asyncio.wait(set(self._delivering))
+
+
+def _scopes(run: Run) -> list[tuple[str, str]]:
+    """The budget scopes a run's calls are charged to: its session's, and its API key's if it has one."""
+    return [("session", run.session_id)] + ([("key", run.api_key_id)] if run.api_key_id else [])

@@ -63,12 +63,12 @@ def _handler(endpoint: str) -> Any:
         gw = request.app[GATEWAY]
         token = _token(request)
         try:
-            await gw.authenticate_waiting(token, request.remote)
+            caller = await gw.caller_waiting(token, request.remote)
             raw = await request.read()
             body = _parse(raw)
             req = CallRequest(token, endpoint, body, raw, {k.lower(): v for k, v in request.headers.items()},
                               request.remote)
-            answer = await gw.begin(req)
+            answer = await gw.begin(req, caller)
         except GatewayError as e:
             return error_response(e, flavour)
         except DatabaseUnavailable as e:
@@ -127,7 +127,7 @@ async def _send(request: web.Request, gw: Gateway, answer: Answer, flavour: str,
         await resp.write_eof()
     except ConnectionError:
         return resp  # the client left; the upstream call goes on and is stored
-    await gw.delivered(answer)
+    gw.delivered(answer)
     return resp
 
 
@@ -144,7 +144,7 @@ async def _write_whole(
         await resp.write_eof()
     except ConnectionError:
         return resp
-    await gw.delivered(answer)
+    gw.delivered(answer)
     return resp
 
 

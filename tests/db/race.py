@@ -9,22 +9,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-
-from keepstate.db.engine import Database
-from keepstate.db.url import DatabaseURL
+from keepstate.db.engine import Conn, Database
 
 SETTLE_S = 0.3  # how long the second writer is given to reach the first's lock (it must still be waiting after it)
 
 
 class HeldCommit(Database):
-    def __init__(self, url: DatabaseURL, writer: AsyncEngine, reader: AsyncEngine) -> None:
-        super().__init__(url, writer, reader)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self.holding = asyncio.Event()  # a write transaction ran its statements and waits to commit
         self.release = asyncio.Event()  # let it commit
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+    async def transaction(self) -> AsyncIterator[Conn]:
         async with super().transaction() as conn:
             yield conn
             self.holding.set()

@@ -25,9 +25,8 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from keepstate.db.engine import Database
+from keepstate.db.engine import Conn, Database
 from keepstate.db.errors import Stale
 from keepstate.db.records import CheckpointRecord, EventRecord, HeadRecord, SessionRecord
 from keepstate.db.repos._sql import columns, insert_or_ignore, record
@@ -213,7 +212,8 @@ class History:
         query = sa.select(sa.func.count(), sa.func.max(_s.created)) \
             .where(_s.template_id == template_id, _s.parent_session.is_(None))
         async with self.db.read() as conn:
-            count, last = (await conn.execute(query)).one()
+            row = (await conn.execute(query)).one()
+        count, last = tuple(row)
         return int(count), (float(last) if last is not None else None)
 
     async def child_sessions(self, session_id: str) -> list[SessionRecord]:
@@ -248,7 +248,7 @@ class History:
             return done.rowcount == 1
 
     # -- inside a transaction ---------------------------------------------------------------------------------------
-    async def _lock_head(self, conn: AsyncConnection, session_id: str) -> HeadRecord | None:
+    async def _lock_head(self, conn: Conn, session_id: str) -> HeadRecord | None:
         """The session's head row, locked until the transaction ends (None: no row, and on SQLite none can appear
         meanwhile: the transaction holds the write lock)."""
         if self.db.kind == "postgresql":  # a row to lock, even for a session's first event
@@ -257,7 +257,7 @@ class History:
         row = (await conn.execute(sa.select(heads).where(_h.session_id == session_id).with_for_update())).first()
         return record(HeadRecord, row) if row else None
 
-    async def _link(self, conn: AsyncConnection, session_id: str, head: HeadRecord | None,
+    async def _link(self, conn: Conn, session_id: str, head: HeadRecord | None,
                     links: Sequence[Link]) -> list[EventRecord]:
         """Build each event from the head before it, then write them and the new head."""
         out: list[EventRecord] = []
@@ -271,7 +271,7 @@ class History:
             await self._insert(conn, session_id, out)
         return out
 
-    async def _insert(self, conn: AsyncConnection, session_id: str, evs: Sequence[EventRecord]) -> None:
+    async def _insert(self, conn: Conn, session_id: str, evs: Sequence[EventRecord]) -> None:
         await conn.execute(events.insert(), [columns(ev) for ev in evs])
         last = evs[-1]
         await conn.execute(_upsert(self.db.kind, heads, ["session_id"],

@@ -34,9 +34,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Row
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from keepstate.db.engine import Database
+from keepstate.db.engine import Conn, Database
 from keepstate.db.repos._sql import duplicate, upsert
 from keepstate.db.schema import bindings, budgets, calls, divergences, ledger, marks, positions, reservations, runs
 
@@ -116,6 +115,10 @@ class Call:
     ok_entry_id: int | None
 
 
+class _NotOurs(Exception):
+    """finish_upstream: the call is not in flight under this owner (the transaction is rolled back)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Attempt:
     """What the ledger needs to know about the caller of one upstream request."""
@@ -126,6 +129,50 @@ class Attempt:
     model: str
     endpoint: str
     started_at: float
+    reserved: bool = True  # a budget applied when it began: its reservations are settled when it finishes
+
+
+# The statements of a model call's path, built once: building one costs more than running it on SQLite (about
+# 0.2 ms for a select's expression, its cache key and its values; benchmarks/gateway.py, docs/design/database.md).
+_BOUND = (sa.select(runs).join(bindings, bindings.c.run_id == runs.c.run_id)
+          .where(bindings.c.source_ip == sa.bindparam("ip"), runs.c.ended_at.is_(None)))
+_RUN_ENDED = sa.select(runs.c.ended_at).where(runs.c.run_id == sa.bindparam("run_id"))
+_RUN_BY_TOKEN = sa.select(runs).where(runs.c.token_hash == sa.bindparam("token_hash"))
+_RUN_BY_ID = sa.select(runs).where(runs.c.run_id == sa.bindparam("run_id"))
+_CALL = sa.select(calls).where(calls.c.call_key == sa.bindparam("call_key"))
+_CALL_FOR_UPDATE = (sa.select(calls.c.status, calls.c.owner).where(calls.c.call_key == sa.bindparam("call_key"))
+                    .with_for_update())
+_NEW_CALL = calls.insert()
+_RETRY_CALL = (calls.update().where(calls.c.call_key == sa.bindparam("key"))
+               .values(status=INFLIGHT, owner=sa.bindparam("new_owner"), attempts=calls.c.attempts + 1,
+                       http_status=None, response=None, usage=None))
+_FINISH_CALL = (calls.update()
+                .where(calls.c.call_key == sa.bindparam("key"), calls.c.status == INFLIGHT,
+                       calls.c.owner == sa.bindparam("by"))
+                .values(status=sa.bindparam("new_status"), http_status=sa.bindparam("new_http_status"),
+                        content_type=sa.bindparam("new_content_type"), response=sa.bindparam("new_response"),
+                        usage=sa.bindparam("new_usage"), upstream_request_id=sa.bindparam("new_request_id"),
+                        finished_at=sa.bindparam("new_finished_at"), owner=None,
+                        ok_entry_id=sa.func.coalesce(sa.bindparam("new_ok_entry"), calls.c.ok_entry_id)))
+_NEW_POSITION = positions.insert()
+_POSITION = sa.select(positions).where(positions.c.run_id == sa.bindparam("run_id"),
+                                       positions.c.ordinal == sa.bindparam("ordinal"))
+_LATEST_WITH_HASH = (sa.select(positions).where(positions.c.run_id == sa.bindparam("run_id"),
+                                                positions.c.body_hash == sa.bindparam("body_hash"))
+                     .order_by(positions.c.ordinal.desc()).limit(1))
+_NEXT_ORDINAL = sa.select(sa.func.max(positions.c.ordinal)).where(positions.c.run_id == sa.bindparam("run_id"))
+_DELIVERED = (positions.update()
+              .where(positions.c.run_id == sa.bindparam("run"), positions.c.ordinal == sa.bindparam("at_ordinal"))
+              .values(delivered=1, delivered_at=sa.func.coalesce(positions.c.delivered_at, sa.bindparam("when"))))
+_NEW_ENTRY = ledger.insert().returning(ledger.c.entry_id)
+_BUDGETS_1 = sa.select(budgets.c.scope, budgets.c.ident).where(
+    budgets.c.scope == sa.bindparam("s0"), budgets.c.ident == sa.bindparam("i0"))
+_BUDGETS_2 = sa.select(budgets.c.scope, budgets.c.ident).where(sa.or_(
+    sa.and_(budgets.c.scope == sa.bindparam("s0"), budgets.c.ident == sa.bindparam("i0")),
+    sa.and_(budgets.c.scope == sa.bindparam("s1"), budgets.c.ident == sa.bindparam("i1"))))
+_RESERVATIONS = (sa.select(reservations).where(reservations.c.call_key == sa.bindparam("call_key"),
+                                               reservations.c.owner == sa.bindparam("owner"))
+                 .order_by(reservations.c.id))
 
 
 class Ledger:
@@ -157,13 +204,11 @@ class Ledger:
     async def caller(self, source_ip: str | None, run_id: str | None) -> tuple[Run | None, bool]:
         """What a request's authentication needs, in one read: the run bound to `source_ip` (as `bound_run`; None
         without an address) and whether the run `run_id` ended (as `run_ended`; True without one)."""
-        bound_q = (sa.select(runs).join(bindings, bindings.c.run_id == runs.c.run_id)
-                   .where(bindings.c.source_ip == source_ip, runs.c.ended_at.is_(None)))
         async with self.db.read() as conn:
-            row = (await conn.execute(bound_q)).first() if source_ip is not None else None
+            row = (await conn.execute(_BOUND, {"ip": source_ip})).first() if source_ip is not None else None
             ended = True
             if run_id is not None:
-                found = (await conn.execute(sa.select(runs.c.ended_at).where(runs.c.run_id == run_id))).first()
+                found = (await conn.execute(_RUN_ENDED, {"run_id": run_id})).first()
                 ended = found is None or found.ended_at is not None
         return (_run(row) if row else None), ended
 
@@ -189,10 +234,10 @@ class Ledger:
                                .values(aligned_at=position))
 
     async def run_by_token_hash(self, token_hash: str) -> Run | None:
-        return await self._one_run(runs.c.token_hash == token_hash)
+        return await self._one_run(_RUN_BY_TOKEN, {"token_hash": token_hash})
 
     async def run(self, run_id: str) -> Run | None:
-        return await self._one_run(runs.c.run_id == run_id)
+        return await self._one_run(_RUN_BY_ID, {"run_id": run_id})
 
     async def active_run(self, session_id: str) -> Run | None:
         """The session's latest run that has not ended."""
@@ -205,7 +250,7 @@ class Ledger:
     async def run_ended(self, run_id: str) -> bool:
         """Whether the run ended (an unknown run counts as ended)."""
         async with self.db.read() as conn:
-            row = (await conn.execute(sa.select(runs.c.ended_at).where(runs.c.run_id == run_id))).first()
+            row = (await conn.execute(_RUN_ENDED, {"run_id": run_id})).first()
         return row is None or row.ended_at is not None
 
     async def end_run(self, run_id: str) -> None:
@@ -215,9 +260,9 @@ class Ledger:
                                .values(ended_at=time.time()))
             await conn.execute(bindings.delete().where(bindings.c.run_id == run_id))
 
-    async def _one_run(self, where: sa.ColumnElement[bool]) -> Run | None:
+    async def _one_run(self, query: sa.Select[Any], params: dict[str, Any]) -> Run | None:
         async with self.db.read() as conn:
-            row = (await conn.execute(sa.select(runs).where(where))).first()
+            row = (await conn.execute(query, params)).first()
         return _run(row) if row else None
 
     # -- checkpoint marks -------------------------------------------------------------------------------------------
@@ -242,8 +287,7 @@ class Ledger:
     # -- positions and divergences ----------------------------------------------------------------------------------
     async def next_ordinal(self, run_id: str) -> int:
         async with self.db.read() as conn:
-            top = (await conn.execute(sa.select(sa.func.max(positions.c.ordinal))
-                                      .where(positions.c.run_id == run_id))).scalar_one_or_none()
+            top = (await conn.execute(_NEXT_ORDINAL, {"run_id": run_id})).scalar_one_or_none()
         return 0 if top is None else int(top) + 1
 
     async def positions(self, run_id: str) -> builtins.list[Position]:
@@ -254,30 +298,25 @@ class Ledger:
 
     async def position(self, run_id: str, ordinal: int) -> Position | None:
         async with self.db.read() as conn:
-            row = (await conn.execute(sa.select(positions).where(positions.c.run_id == run_id,
-                                                                 positions.c.ordinal == ordinal))).first()
+            row = (await conn.execute(_POSITION, {"run_id": run_id, "ordinal": ordinal})).first()
         return _position(row) if row else None
 
     async def latest_position_with_hash(self, run_id: str, body_hash: str) -> Position | None:
         async with self.db.read() as conn:
-            row = (await conn.execute(
-                sa.select(positions).where(positions.c.run_id == run_id, positions.c.body_hash == body_hash)
-                .order_by(positions.c.ordinal.desc()).limit(1))).first()
+            row = (await conn.execute(_LATEST_WITH_HASH, {"run_id": run_id, "body_hash": body_hash})).first()
         return _position(row) if row else None
 
     async def add_position(self, p: Position) -> None:
         """Record a position (IntegrityError if the run has it already). Its arrival time defaults to now, and a
         delivered position's delivery time to its arrival."""
         async with self.db.transaction() as conn:
-            await conn.execute(_add_position(p))
+            await conn.execute(_NEW_POSITION, _position_values(p))
 
     async def set_delivered(self, run_id: str, ordinal: int, at: float | None = None) -> None:
         """The position's answer reached the client at `at` (default: now); its first delivery time is kept."""
         when = time.time() if at is None else at
         async with self.db.transaction() as conn:
-            await conn.execute(
-                positions.update().where(positions.c.run_id == run_id, positions.c.ordinal == ordinal)
-                .values(delivered=1, delivered_at=sa.func.coalesce(positions.c.delivered_at, when)))
+            await conn.execute(_DELIVERED, {"run": run_id, "at_ordinal": ordinal, "when": when})
 
     async def record_divergence(self, run_id: str, ordinal: int, expected: Position, got_hash: str) -> None:
         async with self.db.transaction() as conn:
@@ -295,7 +334,7 @@ class Ledger:
     # -- calls ------------------------------------------------------------------------------------------------------
     async def call(self, call_key: str) -> Call | None:
         async with self.db.read() as conn:
-            row = (await conn.execute(sa.select(calls).where(calls.c.call_key == call_key))).first()
+            row = (await conn.execute(_CALL, {"call_key": call_key})).first()
         return _call(row) if row else None
 
     async def calls(self) -> builtins.list[Call]:
@@ -317,32 +356,28 @@ class Ledger:
         written then."""
         try:
             async with self.db.transaction() as conn:
-                existing = (await conn.execute(
-                    sa.select(calls.c.status, calls.c.owner).where(calls.c.call_key == a.call_key)
-                    .with_for_update())).first()
+                existing = (await conn.execute(_CALL_FOR_UPDATE, {"call_key": a.call_key})).first()
                 if existing is not None and existing.status == INFLIGHT:
                     raise CallInFlight(a.call_key, existing.owner)
                 for scope, ident in scopes:
                     await self._reserve(conn, a.call_key, scope, ident, amount_nano)
                 if position is not None:
-                    await conn.execute(_add_position(position))
+                    await conn.execute(_NEW_POSITION, _position_values(position))
                 if existing is None:
-                    await conn.execute(calls.insert().values(
-                        call_key=a.call_key, session_id=a.run.session_id, run_id=a.run.run_id, endpoint=a.endpoint,
-                        provider=a.provider, model=a.model, stream=int(stream), body_hash=body_hash, status=INFLIGHT,
-                        owner=self.owner, attempts=1, created_at=a.started_at))
+                    await conn.execute(_NEW_CALL, {
+                        "call_key": a.call_key, "session_id": a.run.session_id, "run_id": a.run.run_id,
+                        "endpoint": a.endpoint, "provider": a.provider, "model": a.model, "stream": int(stream),
+                        "body_hash": body_hash, "status": INFLIGHT, "owner": self.owner, "attempts": 1,
+                        "created_at": a.started_at})
                 else:
-                    await conn.execute(
-                        calls.update().where(calls.c.call_key == a.call_key)
-                        .values(status=INFLIGHT, owner=self.owner, attempts=calls.c.attempts + 1, http_status=None,
-                                response=None, usage=None))
+                    await conn.execute(_RETRY_CALL, {"key": a.call_key, "new_owner": self.owner})
         except sa.exc.IntegrityError as e:
             # Another transaction inserted the call meanwhile (PostgreSQL; SQLite's write lock rules it out).
             if not duplicate(e) or (position is not None and await self._position_taken(position)):
                 raise
             raise CallInFlight(a.call_key, None) from None
 
-    async def _reserve(self, conn: AsyncConnection, call_key: str, scope: str, ident: str, amount: int) -> None:
+    async def _reserve(self, conn: Conn, call_key: str, scope: str, ident: str, amount: int) -> None:
         where = (budgets.c.scope == scope, budgets.c.ident == ident)
         done = await conn.execute(
             budgets.update()
@@ -365,20 +400,22 @@ class Ledger:
         transaction; the entry's ID. Only a call in flight and owned by this ledger's owner is finished: for any
         other (finished already, or recovered as interrupted) nothing is written and the answer is None."""
         now = time.time()
-        async with self.db.transaction() as conn:
-            claimed = await conn.execute(
-                calls.update()
-                .where(calls.c.call_key == a.call_key, calls.c.status == INFLIGHT, calls.c.owner == self.owner)
-                .values(status=DONE if ok else FAILED, http_status=http_status, content_type=content_type,
-                        response=response, usage=json.dumps(dict(usage)) if usage is not None else None,
-                        upstream_request_id=request_id, finished_at=now, owner=None))
-            if claimed.rowcount != 1:
-                return None
-            entry_id = await _insert_entry(conn, "upstream", outcome, a, http_status, usage or {}, cost_nano, priced,
-                                           request_id, None, now)
-            if ok:
-                await conn.execute(calls.update().where(calls.c.call_key == a.call_key).values(ok_entry_id=entry_id))
-            await _settle(conn, a.call_key, self.owner, cost_nano)
+        try:
+            async with self.db.transaction() as conn:
+                # The entry first, so that the call's one update can name it; rolled back if the call is not ours.
+                entry_id = await _insert_entry(conn, "upstream", outcome, a, http_status, usage or {}, cost_nano,
+                                               priced, request_id, None, now)
+                claimed = await conn.execute(_FINISH_CALL, {
+                    "key": a.call_key, "by": self.owner, "new_status": DONE if ok else FAILED,
+                    "new_http_status": http_status, "new_content_type": content_type, "new_response": response,
+                    "new_usage": json.dumps(dict(usage)) if usage is not None else None,
+                    "new_request_id": request_id, "new_finished_at": now, "new_ok_entry": entry_id if ok else None})
+                if claimed.rowcount != 1:
+                    raise _NotOurs
+                if a.reserved:
+                    await _settle(conn, a.call_key, self.owner, cost_nano)
+        except _NotOurs:
+            return None
         return entry_id
 
     async def record_served(self, kind: str, a: Attempt, original_entry_id: int | None,
@@ -430,11 +467,18 @@ class Ledger:
         """The scopes of `scopes` that have a budget, in their order, in one read."""
         if not scopes:
             return []
-        where = sa.or_(*(sa.and_(budgets.c.scope == scope, budgets.c.ident == ident) for scope, ident in scopes))
         async with self.db.read() as conn:
-            found = {(r.scope, r.ident) for r in await conn.execute(sa.select(budgets.c.scope, budgets.c.ident)
-                                                                     .where(where))}
+            found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))}
         return [s for s in scopes if s in found]
+
+    async def call_and_budgets(self, call_key: str,
+                               scopes: Sequence[tuple[str, str]]) -> tuple[Call | None, builtins.list[tuple[str, str]]]:
+        """`call(call_key)` and `existing_budgets(scopes)` in one read: what a model call looks up before it goes
+        upstream."""
+        async with self.db.read() as conn:
+            row = (await conn.execute(_CALL, {"call_key": call_key})).first()
+            found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))} if scopes else set()
+        return (_call(row) if row else None), [s for s in scopes if s in found]
 
     async def budgets(self) -> builtins.list[dict[str, Any]]:
         async with self.db.read() as conn:
@@ -451,31 +495,40 @@ class Ledger:
 
 
 # -- statements shared by several methods ---------------------------------------------------------------------------
-def _add_position(p: Position) -> sa.Insert:
+def _position_values(p: Position) -> dict[str, Any]:
     arrived = time.time() if p.arrived_at is None else p.arrived_at
     delivered_at = (arrived if p.delivered_at is None else p.delivered_at) if p.delivered else None
-    return positions.insert().values(run_id=p.run_id, ordinal=p.ordinal, call_key=p.call_key, body_hash=p.body_hash,
-                                     source=p.source, delivered=int(p.delivered), arrived_at=arrived,
-                                     delivered_at=delivered_at)
+    return {"run_id": p.run_id, "ordinal": p.ordinal, "call_key": p.call_key, "body_hash": p.body_hash,
+            "source": p.source, "delivered": int(p.delivered), "arrived_at": arrived, "delivered_at": delivered_at}
 
 
-async def _insert_entry(conn: AsyncConnection, kind: str, outcome: str, a: Attempt, http_status: int | None,
+async def _insert_entry(conn: Conn, kind: str, outcome: str, a: Attempt, http_status: int | None,
                         usage: Mapping[str, int], cost_nano: int, priced: bool, request_id: str | None,
                         original: int | None, now: float) -> int:
-    done = await conn.execute(ledger.insert().values(
-        kind=kind, outcome=outcome, call_key=a.call_key, session_id=a.run.session_id, sandbox_id=a.run.sandbox_id,
-        api_key_id=a.run.api_key_id, run_id=a.run.run_id, provider=a.provider, model=a.model, endpoint=a.endpoint,
-        http_status=http_status, **{f: int(usage.get(f) or 0) for f in TOKEN_FIELDS}, cost_nano=cost_nano,
-        priced=int(priced), upstream_request_id=request_id, original_entry_id=original, started_at=a.started_at,
-        finished_at=now).returning(ledger.c.entry_id))
+    done = await conn.execute(_NEW_ENTRY, {
+        "kind": kind, "outcome": outcome, "call_key": a.call_key, "session_id": a.run.session_id,
+        "sandbox_id": a.run.sandbox_id, "api_key_id": a.run.api_key_id, "run_id": a.run.run_id, "provider": a.provider,
+        "model": a.model, "endpoint": a.endpoint, "http_status": http_status,
+        **{f: int(usage.get(f) or 0) for f in TOKEN_FIELDS}, "cost_nano": cost_nano, "priced": int(priced),
+        "upstream_request_id": request_id, "original_entry_id": original, "started_at": a.started_at,
+        "finished_at": now})
     return int(done.scalar_one())
 
 
-async def _settle(conn: AsyncConnection, call_key: str, owner: str, cost_nano: int | None) -> None:
+def _budgets_of(scopes: Sequence[tuple[str, str]]) -> tuple[sa.Select[Any], dict[str, str]]:
+    """The statement (and its parameters) reading which budgets of `scopes` exist: for a call's one or two scopes,
+    one of two statements built once."""
+    if len(scopes) == 1:
+        return _BUDGETS_1, {"s0": scopes[0][0], "i0": scopes[0][1]}
+    if len(scopes) == 2:
+        return _BUDGETS_2, {"s0": scopes[0][0], "i0": scopes[0][1], "s1": scopes[1][0], "i1": scopes[1][1]}
+    where = sa.or_(*(sa.and_(budgets.c.scope == scope, budgets.c.ident == ident) for scope, ident in scopes))
+    return sa.select(budgets.c.scope, budgets.c.ident).where(where), {}
+
+
+async def _settle(conn: Conn, call_key: str, owner: str, cost_nano: int | None) -> None:
     """Replace the call's reservations by `owner` with its actual cost (None: charge the whole reservation)."""
-    rows = (await conn.execute(
-        sa.select(reservations).where(reservations.c.call_key == call_key, reservations.c.owner == owner)
-        .order_by(reservations.c.id))).all()
+    rows = (await conn.execute(_RESERVATIONS, {"call_key": call_key, "owner": owner})).all()
     for r in rows:
         spent = r.amount_nano if cost_nano is None else cost_nano
         await conn.execute(

@@ -23,9 +23,8 @@ import time
 from collections.abc import Collection
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from keepstate.db.engine import Database
+from keepstate.db.engine import Conn, Database
 from keepstate.db.errors import Fenced, Stale
 from keepstate.db.records import SandboxRecord, TeardownRecord
 from keepstate.db.repos._sql import columns, duplicate, insert_or_ignore, record
@@ -162,7 +161,7 @@ class Sandboxes:
                                 columns(teardown) | {"created_at": time.time()})
 
 
-async def _refuse(conn: AsyncConnection, sandbox_id: str, expect_version: int | None,
+async def _refuse(conn: Conn, sandbox_id: str, expect_version: int | None,
                   expect_epoch: int | None) -> None:
     """Raise why a conditional write of the row matched nothing (read in the writer's transaction)."""
     row = (await conn.execute(sa.select(_c.version, _c.epoch).where(_c.sandbox_id == sandbox_id))).first()
