@@ -1,6 +1,6 @@
-"""`--db URL` (and KEEPSTATE_DB): what an operator writes, turned into what SQLAlchemy's async engine takes.
+"""`--db URL` (and KEEPSTATE_DB): what an operator writes, turned into what SQLAlchemy takes.
 
-    sqlite:///PATH              -> sqlite+aiosqlite:///PATH      (PATH as written: sqlite:////var/lib/x is absolute)
+    sqlite:///PATH              -> sqlite:///PATH (stdlib sqlite3) (PATH as written: sqlite:////var/lib/x is absolute)
     postgresql://... postgres://... -> postgresql+psycopg://...  (everything after the scheme kept byte for byte: the
                                                                 query string goes to libpq as it is, ?host=/dir too)
 
@@ -66,7 +66,7 @@ def parse(url: str) -> DatabaseURL:
         path = unquote(rest[1:].split("?", 1)[0])
         if not path or path == ":memory:":
             raise _bad(shown, "an SQLite URL needs the path of a file")
-        return DatabaseURL("sqlite", "sqlite+aiosqlite://" + rest, shown, Path(path))
+        return DatabaseURL("sqlite", "sqlite://" + rest, shown, Path(path))
     if scheme in _POSTGRES_SCHEMES:
         try:
             _ = urlsplit("postgresql://" + rest).port  # a port that is not a number is refused here, not at connect

@@ -236,7 +236,8 @@ class Instances:
             except OSError as exc:  # the next owner of the slot closes it anew (close_egress)
                 log.warning("closing the egress of slot %d: %s", slot, exc)
         if not keep_row:  # the row goes in the transaction that records its teardown: one of them survives a crash
-            teardown = TeardownRecord(row.runtime_name, slot, next_try=time.time()) if row.runtime_name else None
+            teardown = (TeardownRecord(runtime_name=row.runtime_name, slot=slot, next_try=time.time())
+                        if row.runtime_name else None)
             await self.rows.delete(catalog_id or row.sandbox_id, teardown)
         if row.runtime_name:
             await self.teardowns.later(row.runtime_name, slot, recorded=not keep_row)
@@ -246,9 +247,16 @@ class Instances:
 
     def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
         """Run a teardown after the caller has answered; drain() waits for every one of them."""
-        task = asyncio.get_running_loop().create_task(teardown)
+        task = asyncio.get_running_loop().create_task(teardown, name=getattr(teardown, "__qualname__", None))
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        """Forget a finished background job; what it raised is logged here (nobody awaits it)."""
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("background work %s failed: %r (its sandbox's teardown, if any, is retried from the "
+                        "database at the next start)", task.get_name(), exc)
 
     async def drain(self) -> None:
         await asyncio.gather(*self._background, return_exceptions=True)

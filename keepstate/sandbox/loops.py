@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from keepstate.db.errors import DatabaseUnavailable
 from keepstate.errors import KeepStateError
 
 from .agent_client import Quiesced
@@ -30,15 +31,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("keepstate.sandbox")
 EXPIRE_INTERVAL = 0.25
 METRIC_INTERVAL = 5.0
+UNAVAILABLE_LOG_S = 30.0
 
 
 async def expire_loop(m: SandboxManager) -> None:
+    quiet_until = 0.0  # a database that is away is said once per UNAVAILABLE_LOG_S, not at every tick
     while True:
         now = time.time()
         for row in m.running():
             if row.state == State.RUNNING and row.end_at <= now and not m.command_running(row.sandbox_id):
                 try:
                     await m.expire(row.sandbox_id)
+                except DatabaseUnavailable as exc:  # its timeout stays due: the next tick tries again
+                    if time.monotonic() >= quiet_until:
+                        log.warning("expiry of %s waits for the database: %s", row.sandbox_id, exc)
+                        quiet_until = time.monotonic() + UNAVAILABLE_LOG_S
                 except KeepStateError:
                     pass  # changed meanwhile (killed, paused): nothing to expire
                 except Exception as exc:

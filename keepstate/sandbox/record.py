@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from keepstate.db.records import TeardownRecord
 from keepstate.egress.policy import Policy
 
 from .state import State
@@ -29,18 +30,6 @@ class Instance:
     def from_json(cls, d: dict[str, Any]) -> Instance:
         return cls(name=str(d["name"]), slot=int(d["slot"]), address=str(d.get("address", "")),
                    since=float(d.get("since", 0.0)), mem=int(d.get("mem", 0)))
-
-
-@dataclass(frozen=True)
-class TeardownRecord:
-    """A teardown not yet finished (docs/design/teardown.md): the instance, its slot (-1: not ours to release),
-    how many attempts failed, when the next one is due, and what the last one said."""
-
-    runtime_name: str
-    slot: int
-    attempts: int = 0
-    next_try: float = 0.0
-    last_error: str = ""
 
 
 @dataclass
@@ -183,3 +172,6 @@ class Snapshot:
     names: tuple[str, ...]
     created_at: float = 0.0
     pool: str | None = None
+
+
+__all__ = ["Instance", "SandboxRow", "Settings", "Snapshot", "TeardownRecord"]

@@ -19,7 +19,6 @@ from typing import Any
 
 from keepstate.db.engine import Database
 from keepstate.db.records import SandboxRecord, SnapshotRecord
-from keepstate.db.records import TeardownRecord as TeardownRow
 from keepstate.db.repos import Sandboxes, Snapshots
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.errors import Conflict
@@ -63,7 +62,7 @@ class SandboxRows:
 
     async def delete(self, sandbox_id: str, teardown: TeardownRecord | None = None) -> None:
         """Forget the row, recording `teardown` in the same transaction when given."""
-        await self._repo.delete(sandbox_id, _teardown_row(teardown) if teardown is not None else None)
+        await self._repo.delete(sandbox_id, teardown)
         self._seen.pop(sandbox_id, None)
 
     async def get(self, sandbox_id: str) -> SandboxRow | None:
@@ -81,7 +80,7 @@ class SandboxRows:
     # -- teardowns ---------------------------------------------------------------------------------------------------
     async def add_teardown(self, runtime_name: str, slot: int) -> None:
         """Record a teardown to do; one already recorded for the instance keeps its attempts."""
-        await self._repo.add_teardown(TeardownRow(runtime_name=runtime_name, slot=slot, next_try=time.time()))
+        await self._repo.add_teardown(TeardownRecord(runtime_name=runtime_name, slot=slot, next_try=time.time()))
 
     async def teardown_failed(self, runtime_name: str, next_try: float, error: str) -> None:
         await self._repo.teardown_failed(runtime_name, error, next_try)
@@ -90,8 +89,7 @@ class SandboxRows:
         await self._repo.delete_teardown(runtime_name)
 
     async def teardowns(self) -> builtins.list[TeardownRecord]:
-        return [TeardownRecord(t.runtime_name, t.slot, t.attempts, t.next_try, t.last_error)
-                for t in await self._repo.teardowns()]
+        return await self._repo.teardowns()
 
     # -- snapshots (checkpoints usable as a templateID) ------------------------------------------------------------
     async def put_snapshot(self, snapshot_id: str, names: builtins.list[str], checkpoint_id: str, sandbox_id: str,
@@ -136,8 +134,3 @@ class SandboxRows:
 def snapshot_of(s: SnapshotRecord) -> Snapshot:
     return Snapshot(snapshot_id=s.snapshot_id, checkpoint_id=s.checkpoint_id, sandbox_id=s.sandbox_id,
                     template_id=s.template_id, names=tuple(s.names), created_at=s.created_at)
-
-
-def _teardown_row(t: TeardownRecord) -> TeardownRow:
-    return TeardownRow(runtime_name=t.runtime_name, slot=t.slot, attempts=t.attempts, next_try=t.next_try,
-                       last_error=t.last_error)

@@ -84,7 +84,7 @@ class Teardowns:
         if not recorded:
             await self.rows.add_teardown(name, slot)
         if name not in self._pending:
-            self._pending[name] = TeardownRecord(name, slot)
+            self._pending[name] = TeardownRecord(runtime_name=name, slot=slot)
 
     async def later(self, name: str, slot: int, *, recorded: bool = False) -> None:
         """Record the teardown and leave it to the retry loop (due at once): for callers that cannot wait."""

@@ -11,8 +11,8 @@ from keepstate.db.url import default_url, mask, parse
 
 
 @pytest.mark.parametrize(("given", "kind", "sqlalchemy_url"), [
-    ("sqlite:////var/lib/keepstate/keepstate.sqlite", "sqlite", "sqlite+aiosqlite:////var/lib/keepstate/keepstate.sqlite"),
-    ("sqlite:///relative/k.sqlite", "sqlite", "sqlite+aiosqlite:///relative/k.sqlite"),
+    ("sqlite:////var/lib/keepstate/keepstate.sqlite", "sqlite", "sqlite:////var/lib/keepstate/keepstate.sqlite"),
+    ("sqlite:///relative/k.sqlite", "sqlite", "sqlite:///relative/k.sqlite"),
     ("postgresql://postgres@/ks?host=/tmp/pg-dir", "postgresql", "postgresql+psycopg://postgres@/ks?host=/tmp/pg-dir"),
     ("postgres://u:p%40ss@db.internal:5433/ks?sslmode=verify-full&passfile=/etc/ks/pgpass&host=/a&host=/b",
      "postgresql",
