@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "keepstate"
 LAYERS: list[set[str]] = [
     {"keepstate", "errors", "config", "ports", "pids", "mountpoints", "netaddr", "rootfs", "clock"},
     {"db", "store", "agent"},  # the agent runs inside sandboxes: it stands on the leaves only
-    {"apikeys", "secret", "volume", "session", "gateway", "runtime", "template", "egress"},
+    {"apikeys", "secret", "volume", "session", "gateway", "runtime", "template", "egress", "cluster"},
     {"sandbox"},
     {"builds", "testing"},  # SDK template builds drive sandboxes; testing holds fakes of runtime and templates
     {"api"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -22,13 +23,16 @@ from keepstate import netaddr
 from keepstate.apikeys import find as find_key
 from keepstate.builds.service import TemplateBuilds
 from keepstate.builds.uploads import PREFIX as UPLOAD_PREFIX
+from keepstate.cluster.membership import Membership
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db import setup as db_setup
 from keepstate.db.engine import Database
-from keepstate.db.repos import History, Keys
+from keepstate.db.records import NodeRecord
+from keepstate.db.repos import History, Keys, Nodes
+from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress import firewall
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import KeepStateError, NotFound, Unauthorized
+from keepstate.errors import Busy, KeepStateError, NotFound, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime.base import Runtime
 from keepstate.sandbox.admission import AdmissionConfig
@@ -42,6 +46,7 @@ from keepstate.volume import Volumes
 from keepstate.volume.store import DEFAULT_SIZE_MB
 
 from . import control, events, logs
+from . import nodes as nodes_api
 from . import secrets as secret_routes
 from . import template_builds as build_routes
 from . import templates as template_routes
@@ -82,6 +87,8 @@ class ServerConfig:
     secrets_key: bytes | None = field(default=None, repr=False)
     domain: str | None = None  # port URLs' <port>-<id>.<domain>; default localhost:<port> (api/listeners.py)
     db_url: str | None = None  # --db; None: $KEEPSTATE_DB, else sqlite under home (docs/design/database.md)
+    node: str | None = None  # --node: this server is a node of a cluster (docs/design/cluster.md); None: "local"
+    advertise: str | None = None  # --advertise: the URL other nodes reach it on; default http://<listen>
 
 
 def _envd_version() -> str:
@@ -176,7 +183,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         gw_config.forget_key_variables()  # read: no process the server starts (runsc, nft, ip...) inherits them
         gateway_app = create_gateway_app(gw_config, db)
         gateway = gateway_app[GATEWAY]
-    manager = SandboxManager(db, runtime, home=config.home, templates=templates, recorder=recorder, durable=durable,
+    node_id = config.node or LOCAL_NODE
+    manager = SandboxManager(db, runtime, node_id=node_id, home=config.home, templates=templates, recorder=recorder,
+                             durable=durable,
                              pool_size=config.pool_size, template_pool_size=config.template_pool_size,
                              host_name=socket.gethostname(), gateway=gateway,
                              gateway_url=f"http://{netaddr.GATEWAY_IP}:{config.gateway_port}" if gateway else None,
@@ -187,6 +196,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              egress=Egress(config.home, config.egress, datapath=config.runtime != "fake",
                                            secret_value=secret_store.value))
     router = Router(manager)
+    membership = Membership(
+        Nodes(db), this_node(config, runtime, node_id), fencing=config.node is not None,
+        metrics=lambda: {"sandboxes": len(manager.listed()), "teardowns": manager.teardowns_pending()})
     keys = KeyCache(Keys(db))
     template_builds = TemplateBuilds(manager, db, config.home)
 
@@ -201,6 +213,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 
     @web.middleware
     async def dispatch(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if membership.fenced is not None and (is_data_plane(request) or request.path not in UNFENCED):
+            return control.error_response(Busy(f"node {node_id} is fenced ({membership.fenced}): it serves its "
+                                               "sandboxes again once it renews its lease", retry_after=2))
         if is_data_plane(request):
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
@@ -220,6 +235,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
     app[DATABASE] = db
+    app[nodes_api.MEMBERSHIP] = membership
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
     app[SECRETS] = secret_store
@@ -236,12 +252,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app.add_routes(template_routes.routes)
     app.add_routes(volume_routes.routes)
     app.add_routes(secret_routes.routes)
+    app.add_routes(nodes_api.routes)
     app.router.register_resource(DataPlane(to_router))  # last: see DataPlane
 
     gateway_runner: list[web.AppRunner] = []
 
+    membership_task: list[asyncio.Task[None]] = []
+
     async def on_startup(app: web.Application) -> None:
-        await db_setup.upgrade(db, config.home)  # first: everything below reads it
+        await db_setup.upgrade(db, config.home, node_id)  # first: everything below reads it
+        await membership.join()
+        membership_task.append(asyncio.get_running_loop().create_task(membership.run(), name="membership"))
         await secret_store.check_key()
         await template_builds.recover()
         await poller.start()
@@ -272,8 +293,39 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             await gateway.close()
         await router.stop()
         durable.close()
+        for task in membership_task:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await membership.leave()
         await db.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+# Answered by a fenced node too: its health, and who is in the cluster.
+UNFENCED = ("/health", "/nodes")
+
+
+def this_node(config: ServerConfig, runtime: Runtime, node_id: str) -> NodeRecord:
+    """What this server tells the cluster about itself when it joins."""
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return NodeRecord(node_id=node_id, address=config.advertise or f"http://{config.host}:{config.port}",
+                      cpus=float(os.cpu_count() or 1), memory_mb=memory_mb,
+                      max_sandboxes=config.admission.host_limit(runtime.slots.max_slots - 1),
+                      runsc_release=runtime.release, cpu_features=cpu_features(),
+                      templates=tuple(config.warm_templates))
+
+
+def cpu_features() -> tuple[str, ...]:
+    """The host CPU's feature flags (a checkpoint restores only where they are a superset of its host's)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return tuple(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return ()

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ledger": ("keepstate.cli.ledger:ledger", "Show and reconcile the model-call ledger."),
     "tls": ("keepstate.cli.tls:tls", "The router's TLS CA: where it is and how to trust it."),
     "db": ("keepstate.cli.db:db", "The database: its revision, upgrade, and import of an older release's files."),
+    "nodes": ("keepstate.cli.nodes:nodes", "List, drain and remove the nodes of a cluster."),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,9 @@ from .registry_options import registry_options
 
 if TYPE_CHECKING:
     from keepstate.egress.service import EgressConfig
+
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
 
 
 @click.command(cls=Command)
@@ -102,6 +106,12 @@ if TYPE_CHECKING:
               help="The key secrets are encrypted with at rest (AES-256-GCM): 32 bytes, raw or base64. Default "
                    "<home>/secrets.key, made (mode 0600) on first use; keep it apart from the catalog's backups. "
                    "KEEPSTATE_SECRETS_KEY (base64) overrides it.")
+@click.option("--node", default=None, envvar="KEEPSTATE_NODE",
+              help="Serve as the node NAME of a cluster sharing --db (PostgreSQL) and --store (S3): it renews a lease "
+                   "in the database and fences itself when it cannot (docs/design/cluster.md). Default: one server, "
+                   "node `local`, never fenced. Letters, digits and '-', at most 63. KEEPSTATE_NODE too.")
+@click.option("--advertise", default=None, envvar="KEEPSTATE_ADVERTISE",
+              help="The URL other nodes reach this one on (default http://<--listen>). KEEPSTATE_ADVERTISE too.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @egress_options
@@ -115,8 +125,8 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
           volume_backend: str, max_starts: int | None, start_queue: int | None, start_wait: float,
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, domain: str | None,
           tls_cert: str | None, tls_key: str | None, tls_self_signed: bool, tls_listen: str | None,
-          reap_on_exit: bool, runtime_kind: str, secrets_key_file: str | None, log_level: str,
-          egress: EgressConfig) -> None:
+          reap_on_exit: bool, runtime_kind: str, secrets_key_file: str | None, node: str | None,
+          advertise: str | None, log_level: str, egress: EgressConfig) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -138,12 +148,18 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
     # inherit it.
     secrets_key = load_key(Path(secrets_key_file) if secrets_key_file else home() / KEY_FILE)
     host, _, port = listen.rpartition(":")
+    if node is not None and not NODE_NAME.fullmatch(node):
+        raise click.UsageError(f"--node {node!r}: a node's name is letters, digits and '-', at most 63, starting "
+                               "with a letter or digit")
+    if advertise is not None and not re.fullmatch(r"https?://[^/\s]+/?", advertise):
+        raise click.UsageError(f"--advertise {advertise!r}: give the URL other nodes reach this one on, such as "
+                               "http://10.0.0.5:3000")
     try:  # before any build: a wrong TLS option fails at once
         sites, domain = listeners.plan(home(), host or "127.0.0.1", int(port), domain, tls_cert, tls_key,
                                        tls_self_signed, tls_listen)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    db_url = check_database(secrets_key)  # before any build: a bad --db fails at once, nothing listening
+    db_url = check_database(secrets_key, node)  # before any build: a bad --db fails at once, nothing listening
     warm_names = tuple(w for w in warm.split(",") if w)
     if runtime_kind != "fake":  # the fake runtime's templates need no build
         for name in warm_names:
@@ -156,7 +172,8 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images, domain=domain,
-                          secrets_key=secrets_key, db_url=db_url,
+                          secrets_key=secrets_key, db_url=db_url, node=node,
+                          advertise=advertise.rstrip("/") if advertise else None,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key),
@@ -173,17 +190,17 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
     listeners.run(create_app(config), sites, access_log=None, shutdown_timeout=5, auto_decompress=False)
 
 
-def check_database(secrets_key: bytes) -> str:
+def check_database(secrets_key: bytes, node: str | None = None) -> str:
     """Open the database once before serving: upgraded, an older release's files imported, the secrets key the one
     its secrets were sealed with. Any failure ends the command here with one line and exit code 2. Its URL."""
-    from keepstate.db.setup import db_url, prepare
+    from keepstate.db.setup import LOCAL_NODE, db_url, prepare
     from keepstate.secret import SecretStore
     from keepstate.secret.crypto import Sealer
 
     url = db_url(home())
 
     async def check() -> None:
-        db = await prepare(url, home())
+        db = await prepare(url, home(), node or LOCAL_NODE)
         try:
             await SecretStore(db, Sealer(secrets_key)).check_key()
         finally:

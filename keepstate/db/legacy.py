@@ -118,7 +118,7 @@ async def _copy(conn: Conn, old: sqlite3.Connection, table_name: str, node_id: s
     count = 0
     for row in _rows(old, table_name):
         values = {k: v for k, v in row.items() if k in wanted}
-        if table_name == "sandboxes":
+        if table_name in ("sandboxes", "teardowns"):  # this server's, as the host's instances are
             values["node_id"] = node_id
         batch.append(values)
         if len(batch) >= BATCH:

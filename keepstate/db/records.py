@@ -58,6 +58,27 @@ class TeardownRecord:
     next_try: float = 0.0
     last_error: str = ""
     created_at: float = 0.0
+    node_id: str = "local"  # the node whose host holds the instance
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeRecord:
+    """A node of the cluster (docs/design/cluster.md): one row per node name; `incarnation` moves at each join, and
+    only the incarnation that holds the row may renew its lease. Times are the database's clock."""
+
+    node_id: str
+    address: str  # the URL other nodes reach it on
+    cpus: float
+    memory_mb: int
+    max_sandboxes: int
+    runsc_release: str
+    cpu_features: tuple[str, ...] = ()
+    templates: tuple[str, ...] = ()  # kept warm
+    incarnation: int = 0
+    state: str = "alive"  # alive | draining | dead | left | removed (a tombstone: incarnations never repeat)
+    metrics: str = "{}"  # JSON, sent with each renewal
+    joined_at: float = 0.0
+    lease_expires_at: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -89,6 +89,26 @@ teardowns = sa.Table(
     _time("next_try"),
     _text("last_error", server_default=sa.text("''")),
     _time("created_at"),
+    _text("node_id", server_default=sa.text("'local'")),  # the node whose host holds the instance (0002)
+    sa.Index("teardowns_node_next", "node_id", "next_try"),
+)
+
+# -- nodes (revision 0002; docs/design/cluster.md) ------------------------------------------------------------------
+nodes = sa.Table(
+    "nodes", metadata,
+    _text("node_id", primary_key=True),
+    sa.Column("incarnation", sa.BigInteger(), nullable=False),  # moves at every join: the lease's owner
+    _text("state"),  # alive | draining | dead | left | removed
+    _text("address"),  # the URL other nodes reach it on (--advertise)
+    sa.Column("cpus", sa.Float(), nullable=False),
+    sa.Column("memory_mb", sa.BigInteger(), nullable=False),
+    sa.Column("max_sandboxes", sa.Integer(), nullable=False),
+    _text("runsc_release"),
+    _text("cpu_features"),  # JSON list
+    _text("templates"),  # JSON list: the templates it keeps warm
+    _text("metrics", server_default=sa.text("'{}'")),  # JSON, sent with each renewal
+    _time("joined_at"),
+    _time("lease_expires_at"),  # the database's clock
 )
 
 # -- snapshots ------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from keepstate.db.engine import Database
@@ -62,7 +63,7 @@ class SandboxRows:
 
     async def delete(self, sandbox_id: str, teardown: TeardownRecord | None = None) -> None:
         """Forget the row, recording `teardown` in the same transaction when given."""
-        await self._repo.delete(sandbox_id, teardown)
+        await self._repo.delete(sandbox_id, replace(teardown, node_id=self.node_id) if teardown is not None else None)
         self._seen.pop(sandbox_id, None)
 
     async def get(self, sandbox_id: str) -> SandboxRow | None:
@@ -80,7 +81,8 @@ class SandboxRows:
     # -- teardowns ---------------------------------------------------------------------------------------------------
     async def add_teardown(self, runtime_name: str, slot: int) -> None:
         """Record a teardown to do; one already recorded for the instance keeps its attempts."""
-        await self._repo.add_teardown(TeardownRecord(runtime_name=runtime_name, slot=slot, next_try=time.time()))
+        await self._repo.add_teardown(TeardownRecord(runtime_name=runtime_name, slot=slot, next_try=time.time(),
+                                                     node_id=self.node_id))
 
     async def teardown_failed(self, runtime_name: str, next_try: float, error: str) -> None:
         await self._repo.teardown_failed(runtime_name, error, next_try)
@@ -89,7 +91,7 @@ class SandboxRows:
         await self._repo.delete_teardown(runtime_name)
 
     async def teardowns(self) -> builtins.list[TeardownRecord]:
-        return await self._repo.teardowns()
+        return await self._repo.teardowns(self.node_id)
 
     # -- snapshots (checkpoints usable as a templateID) ------------------------------------------------------------
     async def put_snapshot(self, snapshot_id: str, names: builtins.list[str], checkpoint_id: str, sandbox_id: str,

@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from keepstate.api import control, events, logs, schemas, spec
+from keepstate.api import nodes as nodes_routes
 from keepstate.api import secrets as secret_routes
 from keepstate.api import template_builds as build_routes
 from keepstate.api import templates as template_routes
@@ -56,7 +57,7 @@ def test_it_is_valid_openapi_3_1(contract: spec.Spec) -> None:
 def _served_routes() -> set[tuple[str, str]]:
     out = set()
     for table in (control.routes, events.routes, logs.routes, template_routes.routes, volume_routes.routes,
-                  secret_routes.routes, build_routes.routes):
+                  secret_routes.routes, build_routes.routes, nodes_routes.routes):
         for route in table:
             method = getattr(route, "method", None)
             if method and method != "*":

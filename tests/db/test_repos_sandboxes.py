@@ -82,9 +82,9 @@ async def test_a_transition_records_its_teardown_only_if_it_happens(database: Da
     await sandboxes.insert(sandbox("a"))
     with pytest.raises(Stale):
         await sandboxes.transition("a", 5, 0, state="paused", teardown=TeardownRecord(runtime_name="ks-x", slot=4))
-    assert await sandboxes.teardowns() == []
+    assert await sandboxes.teardowns("local") == []
     await sandboxes.transition("a", 0, 0, state="paused", teardown=TeardownRecord(runtime_name="ks-a", slot=3))
-    assert [(t.runtime_name, t.slot) for t in await sandboxes.teardowns()] == [("ks-a", 3)]
+    assert [(t.runtime_name, t.slot) for t in await sandboxes.teardowns("local")] == [("ks-a", 3)]
 
 
 async def test_two_racing_transitions_one_wins_the_other_is_stale(database: Database,
@@ -123,7 +123,7 @@ async def test_a_fenced_owner_writes_nothing_while_the_new_one_moves_on(database
     with pytest.raises(Fenced):
         await old.delete("a", TeardownRecord(runtime_name="ks-a", slot=3), expect_version=1, expect_epoch=0)
     assert await new.transition("a", 1, 1, state="paused") == 2
-    assert await old.teardowns() == []
+    assert await old.teardowns("local") == []
 
 
 async def test_claim_pooled_moves_the_row(database: Database) -> None:
@@ -164,12 +164,12 @@ async def test_delete_records_the_teardown_with_it(database: Database) -> None:
     await sandboxes.insert(sandbox("a"))
     assert await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3, next_try=5.0)) is True
     assert await sandboxes.get("a") is None
-    [torn] = await sandboxes.teardowns()
+    [torn] = await sandboxes.teardowns("local")
     assert (torn.runtime_name, torn.slot, torn.attempts, torn.next_try, torn.last_error) == ("ks-a", 3, 0, 5.0, "")
     assert torn.created_at > 0
     assert await sandboxes.delete("a") is False  # gone already
     await sandboxes.insert(sandbox("b"))
-    assert await sandboxes.delete("b") is True and len(await sandboxes.teardowns()) == 1  # no teardown given
+    assert await sandboxes.delete("b") is True and len(await sandboxes.teardowns("local")) == 1  # no teardown given
 
 
 async def test_a_teardown_recorded_twice_keeps_its_attempts(database: Database) -> None:
@@ -179,7 +179,7 @@ async def test_a_teardown_recorded_twice_keeps_its_attempts(database: Database) 
     assert await sandboxes.teardown_failed("ks-a", "busy", 50.0) == 1
     await sandboxes.insert(sandbox("a"))
     assert await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3)) is True
-    [torn] = await sandboxes.teardowns()
+    [torn] = await sandboxes.teardowns("local")
     assert (torn.attempts, torn.next_try, torn.last_error) == (1, 50.0, "busy")
 
 
@@ -188,7 +188,7 @@ async def test_delete_conditioned_on_a_version(database: Database) -> None:
     await sandboxes.insert(sandbox("a", version=4))
     with pytest.raises(Stale):
         await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3), expect_version=3)
-    assert await sandboxes.get("a") is not None and await sandboxes.teardowns() == []
+    assert await sandboxes.get("a") is not None and await sandboxes.teardowns("local") == []
     with pytest.raises(NotFound):
         await sandboxes.delete("nope", expect_version=0)
     assert await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3), expect_version=4,
@@ -214,7 +214,7 @@ async def test_delete_keeps_the_row_when_its_teardown_cannot_be_written(database
     await _refuse(database, "teardowns", "INSERT", "no_teardown")
     with pytest.raises(sa.exc.DBAPIError, match="refused by no_teardown"):
         await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3))
-    assert await sandboxes.get("a") == sandbox("a") and await sandboxes.teardowns() == []
+    assert await sandboxes.get("a") == sandbox("a") and await sandboxes.teardowns("local") == []
 
 
 async def test_delete_records_no_teardown_when_the_row_cannot_be_deleted(database: Database) -> None:
@@ -223,22 +223,31 @@ async def test_delete_records_no_teardown_when_the_row_cannot_be_deleted(databas
     await _refuse(database, "sandboxes", "DELETE", "no_delete")
     with pytest.raises(sa.exc.DBAPIError, match="refused by no_delete"):
         await sandboxes.delete("a", TeardownRecord(runtime_name="ks-a", slot=3))
-    assert await sandboxes.get("a") == sandbox("a") and await sandboxes.teardowns() == []
+    assert await sandboxes.get("a") == sandbox("a") and await sandboxes.teardowns("local") == []
 
 
 async def test_teardowns_retry_and_finish(database: Database) -> None:
     sandboxes = Sandboxes(database)
     for name, next_try in (("ks-late", 30.0), ("ks-due", 10.0), ("ks-now", 0.0)):
         await sandboxes.add_teardown(TeardownRecord(runtime_name=name, slot=1, next_try=next_try))
-    assert [t.runtime_name for t in await sandboxes.teardowns()] == ["ks-now", "ks-due", "ks-late"]
+    assert [t.runtime_name for t in await sandboxes.teardowns("local")] == ["ks-now", "ks-due", "ks-late"]
     assert await sandboxes.teardown_failed("ks-now", "x" * 5000, 60.0) == 1
     assert await sandboxes.teardown_failed("ks-now", "still busy", 90.0) == 2
     assert await sandboxes.teardown_failed("ks-nope", "?", 1.0) is None
-    by_name = {t.runtime_name: t for t in await sandboxes.teardowns()}
+    by_name = {t.runtime_name: t for t in await sandboxes.teardowns("local")}
     assert (by_name["ks-now"].attempts, by_name["ks-now"].next_try, by_name["ks-now"].last_error) == \
         (2, 90.0, "still busy")
     await sandboxes.teardown_failed("ks-due", "y" * 5000, 20.0)
-    assert [t.runtime_name for t in await sandboxes.teardowns()] == ["ks-due", "ks-late", "ks-now"]
-    assert (await sandboxes.teardowns())[0].last_error == "y" * 2000
+    assert [t.runtime_name for t in await sandboxes.teardowns("local")] == ["ks-due", "ks-late", "ks-now"]
+    assert (await sandboxes.teardowns("local"))[0].last_error == "y" * 2000
     assert await sandboxes.delete_teardown("ks-due") is True and await sandboxes.delete_teardown("ks-due") is False
-    assert [t.runtime_name for t in await sandboxes.teardowns()] == ["ks-late", "ks-now"]
+    assert [t.runtime_name for t in await sandboxes.teardowns("local")] == ["ks-late", "ks-now"]
+
+
+async def test_a_node_sees_only_its_own_hosts_teardowns(database: Database) -> None:
+    """Two nodes on one database: each one's teardown loop takes only the instances its own host holds."""
+    sandboxes = Sandboxes(database)
+    await sandboxes.add_teardown(TeardownRecord(runtime_name="ks-here", slot=1))
+    await sandboxes.add_teardown(TeardownRecord(runtime_name="ks-there", slot=1, node_id="b"))
+    assert [t.runtime_name for t in await sandboxes.teardowns("local")] == ["ks-here"]
+    assert [(t.runtime_name, t.node_id) for t in await sandboxes.teardowns("b")] == [("ks-there", "b")]

@@ -64,6 +64,7 @@ class Served:
     runtime: Runtime
     http: aiohttp.ClientSession
     home: Path
+    app: web.Application | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -122,7 +123,7 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
     manager = app[MANAGER]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         try:
-            yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http, home)
+            yield Served(f"http://127.0.0.1:{port}", key, manager, manager.runtime, http, home, app)
         finally:
             await runner.cleanup()
             if owned is not None:

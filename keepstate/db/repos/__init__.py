@@ -9,10 +9,11 @@ transaction on the Database it was given, async, and takes and returns the plain
 from keepstate.db.repos.history import History
 from keepstate.db.repos.keys import Keys
 from keepstate.db.repos.ledger import Ledger
+from keepstate.db.repos.nodes import Nodes
 from keepstate.db.repos.sandboxes import Sandboxes
 from keepstate.db.repos.secrets import Secrets
 from keepstate.db.repos.snapshots import Snapshots
 from keepstate.db.repos.templates import Templates
 from keepstate.db.repos.volumes import Volumes
 
-__all__ = ["History", "Keys", "Ledger", "Sandboxes", "Secrets", "Snapshots", "Templates", "Volumes"]
+__all__ = ["History", "Keys", "Ledger", "Nodes", "Sandboxes", "Secrets", "Snapshots", "Templates", "Volumes"]

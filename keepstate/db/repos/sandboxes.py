@@ -134,10 +134,11 @@ class Sandboxes:
         async with self.db.transaction() as conn:
             await conn.execute(self._teardown(teardown))
 
-    async def teardowns(self) -> builtins.list[TeardownRecord]:
-        """Every unfinished teardown, the first due first."""
+    async def teardowns(self, node_id: str) -> builtins.list[TeardownRecord]:
+        """Every unfinished teardown of the node's host, the first due first."""
         async with self.db.read() as conn:
-            rows = await conn.execute(sa.select(teardowns).order_by(teardowns.c.next_try, teardowns.c.runtime_name))
+            rows = await conn.execute(sa.select(teardowns).where(teardowns.c.node_id == node_id)
+                                      .order_by(teardowns.c.next_try, teardowns.c.runtime_name))
             return [record(TeardownRecord, r) for r in rows]
 
     async def teardown_failed(self, runtime_name: str, error: str, next_try: float) -> int | None:
