@@ -23,7 +23,7 @@ from keepstate import netaddr
 from keepstate.apikeys import find as find_key
 from keepstate.builds.service import TemplateBuilds
 from keepstate.builds.uploads import PREFIX as UPLOAD_PREFIX
-from keepstate.cluster.membership import Membership
+from keepstate.cluster.membership import FENCE_MARGIN_S, RENEW_S, TTL_S, Membership
 from keepstate.config import DEFAULT_DISK_MB
 from keepstate.db import setup as db_setup
 from keepstate.db.engine import Database
@@ -89,6 +89,7 @@ class ServerConfig:
     db_url: str | None = None  # --db; None: $KEEPSTATE_DB, else sqlite under home (docs/design/database.md)
     node: str | None = None  # --node: this server is a node of a cluster (docs/design/cluster.md); None: "local"
     advertise: str | None = None  # --advertise: the URL other nodes reach it on; default http://<listen>
+    lease: tuple[float, float, float] = (TTL_S, RENEW_S, FENCE_MARGIN_S)  # the node's lease: TTL, renewal, margin
 
 
 def _envd_version() -> str:
@@ -197,7 +198,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                            secret_value=secret_store.value))
     router = Router(manager)
     membership = Membership(
-        Nodes(db), this_node(config, runtime, node_id), fencing=config.node is not None,
+        Nodes(db), this_node(config, runtime, node_id), fencing=config.node is not None, ttl_s=config.lease[0],
+        renew_s=config.lease[1], fence_margin_s=config.lease[2],
         metrics=lambda: {"sandboxes": len(manager.listed()), "teardowns": manager.teardowns_pending()})
     keys = KeyCache(Keys(db))
     template_builds = TemplateBuilds(manager, db, config.home)

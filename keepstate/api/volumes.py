@@ -61,7 +61,7 @@ async def destroy(request: web.Request) -> web.Response:
     """Refused (409) while a sandbox mounts it; else the row goes first (new calls: 404), then, once no content
     call runs any more, the data."""
     store, volume_id = volumes(request), request.match_info["volume_id"]
-    await store.forget(volume_id, lambda: manager(request).volume_users(volume_id))
+    await store.forget(volume_id, lambda: manager(request).table.volume_users(volume_id))
     await store.gate(volume_id).close()
     await asyncio.to_thread(store.remove, volume_id)
     return web.Response(status=204)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -32,6 +33,30 @@ log = logging.getLogger("keepstate.sandbox")
 EXPIRE_INTERVAL = 0.25
 METRIC_INTERVAL = 5.0
 UNAVAILABLE_LOG_S = 30.0
+
+
+class MetricSamples:
+    """Each running sandbox's metrics samples, the newest 720 (an hour at METRIC_INTERVAL), by sandbox ID."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, deque[dict[str, Any]]] = {}
+
+    def add(self, sandbox_id: str, sample: dict[str, Any]) -> None:
+        self._by_id.setdefault(sandbox_id, deque(maxlen=720)).append(sample)
+
+    def forget(self, sandbox_id: str) -> None:
+        self._by_id.pop(sandbox_id, None)
+
+    def get(self, sandbox_id: str) -> deque[dict[str, Any]] | None:
+        return self._by_id.get(sandbox_id)
+
+    def between(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
+        return [s for s in self._by_id.get(sandbox_id, ())
+                if (start is None or s["timestampUnix"] >= start) and (end is None or s["timestampUnix"] <= end)]
+
+    def latest(self, sandbox_ids: list[str], listed: Callable[[str], bool]) -> dict[str, dict[str, Any]]:
+        """The newest sample of each of these sandboxes that is `listed` and has one; the others are left out."""
+        return {sid: samples[-1] for sid in sandbox_ids if (samples := self._by_id.get(sid)) and listed(sid)}
 
 
 async def expire_loop(m: SandboxManager) -> None:
@@ -84,7 +109,7 @@ async def metrics_loop(m: SandboxManager) -> None:
                     await m.died(row.sandbox_id, row.runtime_name)
             elif sample:
                 sample["networkTxBytes"], sample["networkRxBytes"] = net.get(row.sandbox_id, (0, 0))
-                m.metrics.setdefault(row.sandbox_id, deque(maxlen=720)).append(sample)
+                m.metrics.add(row.sandbox_id, sample)
         await asyncio.sleep(METRIC_INTERVAL)
 
 

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import time
 import types
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,7 +111,7 @@ class SandboxManager:
         self.standbys = StandbyCache(standby_seconds, standby_mb)
         self.table = SandboxTable(self.rows)  # the one writer of sandboxes' records and states
         self.pools: dict[str, WarmPool] = {}
-        self.metrics: dict[str, deque[dict[str, Any]]] = {}
+        self.metrics = loops.MetricSamples()
         self._tasks: list[asyncio.Task[None]] = []
         self._waking: dict[str, asyncio.Task[tuple[SandboxRow, bool]]] = {}  # autoResume's resumes, by sandbox ID
         self.creates = Creates(self)
@@ -217,28 +216,16 @@ class SandboxManager:
 
     def metric_samples(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
         self.get(sandbox_id)
-        return [s for s in self.metrics.get(sandbox_id, ())
-                if (start is None or s["timestampUnix"] >= start) and (end is None or s["timestampUnix"] <= end)]
+        return self.metrics.between(sandbox_id, start, end)
 
     def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """The newest sample of each of these sandboxes that is listed and has one; the others are left out."""
-        out: dict[str, dict[str, Any]] = {}
-        for sandbox_id in sandbox_ids:
-            row, samples = self.table.find(sandbox_id), self.metrics.get(sandbox_id)
-            if row is not None and listed(row.state) and samples:
-                out[sandbox_id] = samples[-1]
-        return out
+        return self.metrics.latest(sandbox_ids, lambda sid: (r := self.table.find(sid)) is not None and listed(r.state))
 
     def command_running(self, sandbox_id: str) -> bool:
         """Whether a lifecycle command holds or awaits the sandbox's lock."""
         return self.table.command_running(sandbox_id)
 
     # -- create -------------------------------------------------------------------------------------------------
-    def volume_users(self, volume_id: str) -> list[str]:
-        """The listed sandboxes (running, paused, on their way) that mount a volume."""
-        return [r.sandbox_id for r in self.table.listed()
-                if any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
-
     async def check_secrets(self, policy: Policy) -> None:
         """A policy may name only secrets that exist (a 400 otherwise: nothing is created or changed)."""
         store = self.secrets
@@ -366,11 +353,16 @@ class SandboxManager:
         await self.table.save(row)
 
     async def _known(self, sandbox_id: str) -> None:
-        """Load a sandbox unknown here whose pause checkpoint is in the (shared) store; NotFound if there is none."""
+        """Load a sandbox unknown here: a paused one of a node that is gone (taken over: docs/design/cluster.md), or
+        one whose pause checkpoint is in the (shared) store and that no database row names; NotFound if neither."""
         if sandbox_id in self.table:
             return
         async with self.table.lock(sandbox_id):
             if sandbox_id in self.table:
+                return
+            owner = await self.rows.owner(sandbox_id)
+            if owner is not None and owner != self.rows.node_id:
+                await self._take_over(sandbox_id, owner)
                 return
             row = await asyncio.to_thread(self.checkpoints.paused_row, sandbox_id)
             if row is None:
@@ -378,6 +370,20 @@ class SandboxManager:
             await self.rows.put(row)
             self.table.enter(row)
             await self._record_session(row)
+
+    async def _take_over(self, sandbox_id: str, owner: str) -> None:
+        row = await self.rows.take_over(sandbox_id)
+        if row is None:
+            raise Conflict(f"sandbox {sandbox_id} is on node {owner}, which is live (or the sandbox is not paused): "
+                           "send its requests to that node")
+        row.runtime_name, row.slot, row.address = "", -1, ""
+        row.settings.standby = row.settings.retired = None  # the gone node's host's: its next start reaps them
+        if row.settings.checkpoint_id is None:
+            raise Conflict(f"sandbox {sandbox_id} of node {owner} has no checkpoint to resume from")
+        self.table.enter(row)
+        log.warning("took over paused sandbox %s from node %s, which is gone", sandbox_id, owner)
+        await self.recorder.record(row.session_id, "sandbox.node.moved",
+                                   {"from": owner, "to": self.rows.node_id, "checkpoint": row.settings.checkpoint_id})
 
     async def _admit_resume(self, row: SandboxRow) -> None:
         """A paused sandbox runs again: a place of its key's, and a new instance unless its standby thaws. Looked
@@ -564,7 +570,7 @@ class SandboxManager:
         self.agents.abort(row.sandbox_id)
         await self.recorder.killed(row.session_id, reason)
         await self.gateway.end(row)
-        self.metrics.pop(row.sandbox_id, None)
+        self.metrics.forget(row.sandbox_id)
         self.egress.forget(row.sandbox_id)
 
     async def _kill_paused(self, step: Step) -> None:

@@ -50,10 +50,22 @@ class SandboxRows:
                 found = await self._repo.get(row.sandbox_id)
                 if found is None:
                     raise
+                if found.node_id != self.node_id:  # never another node's: that is a take-over (take_over)
+                    raise Conflict(f"sandbox {row.sandbox_id} belongs to node {found.node_id}") from None
                 seen = (found.version, found.epoch)
         changes = self._columns(row)
         version = await self._repo.transition(row.sandbox_id, seen[0], seen[1], **changes)
         self._seen[row.sandbox_id] = (version, seen[1])
+
+    async def owner(self, sandbox_id: str) -> str | None:
+        """The node whose row the sandbox is (None: no row)."""
+        found = await self._repo.get(sandbox_id)
+        return found.node_id if found is not None else None
+
+    async def take_over(self, sandbox_id: str) -> SandboxRow | None:
+        """A paused sandbox of a node that is gone, now this node's (its epoch moved on); None if not possible."""
+        rec = await self._repo.take_over(sandbox_id, self.node_id)
+        return self._row(rec) if rec is not None else None
 
     async def claim(self, pooled_id: str, row: SandboxRow) -> None:
         """Replace the pooled row `pooled_id` by `row` (a user's ID) in one transaction."""

@@ -100,6 +100,11 @@ class SandboxTable:
     def running(self) -> list[SandboxRow]:
         return [r for r in self._records.values() if r.state in (State.RUNNING, State.CHECKPOINTING)]
 
+    def volume_users(self, volume_id: str) -> list[str]:
+        """The listed sandboxes (running, paused, on their way) that mount a volume."""
+        return [r.sandbox_id for r in self.listed()
+                if any(m.get("volume_id") == volume_id for m in r.settings.volume_mounts)]
+
     def route(self, sandbox_id: str) -> SandboxRow | None:
         """The sandbox a data-plane request may reach now, or None (the router answers 502)."""
         row = self._records.get(sandbox_id)

@@ -251,3 +251,25 @@ async def test_a_node_sees_only_its_own_hosts_teardowns(database: Database) -> N
     await sandboxes.add_teardown(TeardownRecord(runtime_name="ks-there", slot=1, node_id="b"))
     assert [t.runtime_name for t in await sandboxes.teardowns("local")] == ["ks-here"]
     assert [(t.runtime_name, t.node_id) for t in await sandboxes.teardowns("b")] == [("ks-there", "b")]
+
+
+async def test_a_paused_sandbox_of_a_gone_node_is_taken_over_once(database: Database) -> None:
+    """take_over moves a paused row only from a node that is not live, bumps its epoch (the old owner is fenced),
+    and only once: a second taker, or a running sandbox, gets nothing."""
+    from keepstate.db.records import NodeRecord
+    from keepstate.db.repos import Nodes
+
+    nodes, sandboxes = Nodes(database), Sandboxes(database)
+    a = await nodes.join(NodeRecord(node_id="a", address="http://a", cpus=1, memory_mb=1, max_sandboxes=1,
+                                    runsc_release="r"), ttl_s=60)
+    await sandboxes.insert(sandbox("p", "paused", node_id="a"))
+    await sandboxes.insert(sandbox("r", "running", node_id="a"))
+    assert await sandboxes.take_over("p", "b") is None  # a is live
+    assert await nodes.leave("a", a.incarnation)
+    moved = await sandboxes.take_over("p", "b")
+    assert moved is not None and (moved.node_id, moved.state, moved.epoch, moved.version) == ("b", "paused", 1, 1)
+    assert await sandboxes.take_over("p", "c") is None  # b's now, and b is not gone
+    assert await sandboxes.take_over("r", "b") is None  # running: it needs a checkpoint policy to move (not yet)
+    with pytest.raises(Fenced):
+        await sandboxes.transition("p", 0, 0, state="running")  # the old owner's last view
+    assert [s.sandbox_id for s in await sandboxes.list("b")] == ["p"]

@@ -28,10 +28,11 @@ from keepstate.db.engine import Conn, Database
 from keepstate.db.errors import Fenced, Stale
 from keepstate.db.records import SandboxRecord, TeardownRecord
 from keepstate.db.repos._sql import columns, duplicate, insert_or_ignore, record
-from keepstate.db.schema import sandboxes, teardowns
+from keepstate.db.schema import nodes, sandboxes, teardowns
 from keepstate.errors import Conflict, NotFound
 
 POOLED = "pooled"  # the state of a sandbox started ahead of demand, which `claim_pooled` hands to a user
+GONE_NODE_STATES = ("dead", "left", "removed")  # a node in these holds no sandbox: another may take them over
 LAST_ERROR_MAX = 2000  # characters of a failed teardown's message that are kept
 
 _c = sandboxes.c
@@ -93,6 +94,23 @@ class Sandboxes:
             if teardown is not None:
                 await conn.execute(self._teardown(teardown))
         return expect_version + 1
+
+    async def take_over(self, sandbox_id: str, to_node: str,
+                        states: Collection[str] = ("paused", "resuming")) -> SandboxRecord | None:
+        """Move a sandbox (in one of `states`) from a node that is no longer live (dead, left or removed, by its
+        `nodes` row) to `to_node`, in one transaction: its epoch moves on, so whatever the old owner still tries to
+        write of it is refused (Fenced). The row as moved, its state `paused`; None if it is not there, not in
+        those states, or its node is still live (or already `to_node`)."""
+        gone_nodes = sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES))
+        async with self.db.transaction() as conn:
+            done = await conn.execute(
+                sandboxes.update()
+                .where(_c.sandbox_id == sandbox_id, _c.state.in_(tuple(states)), _c.node_id != to_node,
+                       _c.node_id.in_(gone_nodes))
+                .values(node_id=to_node, state="paused", epoch=_c.epoch + 1, version=_c.version + 1)
+                .returning(*sandboxes.c))
+            row = done.first()
+        return record(SandboxRecord, row) if row is not None else None
 
     async def claim_pooled(self, pooled_id: str, rec: SandboxRecord) -> None:
         """Replace the pooled row `pooled_id` by `rec` (the user's ID) in one transaction: Stale if that row is gone
