@@ -81,5 +81,13 @@ class Busy(Unavailable):
         return {"Should-Retry": "true", "Retry-After": str(self.retry_after)}
 
 
+class Draining(Unavailable):
+    """This node takes no creates (an operator drained it): another node must, and asking this one again will not
+    help."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "false"}
+
+
 class Unsupported(KeepStateError):
     status = 501

@@ -201,6 +201,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         Nodes(db), this_node(config, runtime, node_id), fencing=config.node is not None, ttl_s=config.lease[0],
         renew_s=config.lease[1], fence_margin_s=config.lease[2],
         metrics=lambda: {"sandboxes": len(manager.listed()), "teardowns": manager.teardowns_pending()})
+    manager.refusing = lambda: (f"node {node_id} is draining: it takes no new sandboxes (create through another node)"
+                                if membership.state == "draining" else None)
     keys = KeyCache(Keys(db))
     template_builds = TemplateBuilds(manager, db, config.home)
 

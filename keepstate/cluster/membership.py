@@ -63,6 +63,7 @@ class Membership:
         self.on_lost = on_lost
         self.on_dead = on_dead
         self.fenced: str | None = None  # why this node serves nothing now; None: it serves
+        self.state = "alive"  # as its last renewal found it: `draining` once an operator drained it
         self.last_ok = 0.0  # monotonic time the last renewal that succeeded was sent
         self._connected_since: float | None = None  # monotonic start of the current run of good renewals
         self._said = ""  # the renewal failure last logged (said once until it changes)
@@ -75,6 +76,7 @@ class Membership:
     async def join(self) -> NodeRecord:
         sent = time.monotonic()
         self.me = await self.nodes.join(self.me, self.ttl_s)
+        self.state = self.me.state
         self._ok(sent)
         log.info("node %s joined as incarnation %d (%s)", self.me.node_id, self.me.incarnation, self.me.address)
         return self.me
@@ -82,7 +84,8 @@ class Membership:
     async def leave(self) -> None:
         """A clean stop: the lease ends now (best effort: a database that is away lets it expire instead)."""
         try:
-            await asyncio.wait_for(self.nodes.leave(self.me.node_id, self.me.incarnation), self.renew_s)
+            async with asyncio.timeout(self.renew_s):
+                await self.nodes.leave(self.me.node_id, self.me.incarnation)
             log.info("node %s (incarnation %d) left", self.me.node_id, self.me.incarnation)
         except (DatabaseUnavailable, TimeoutError) as exc:
             log.warning("node %s could not say it leaves (%r): its lease will expire", self.me.node_id, exc)
@@ -105,17 +108,22 @@ class Membership:
         sent = time.monotonic()
         budget = max(0.1, self.last_ok + self.ttl_s - self.fence_margin_s - sent)  # never wait past the fence
         try:
-            expires = await asyncio.wait_for(
-                self.nodes.renew(self.me.node_id, self.me.incarnation, self.ttl_s, json.dumps(self.metrics())),
-                budget)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that arrives as the renewal
+            # ends (gh-86296), and this loop would then never stop.
+            async with asyncio.timeout(budget):
+                renewed = await self.nodes.renew(self.me.node_id, self.me.incarnation, self.ttl_s,
+                                                 json.dumps(self.metrics()))
         except (DatabaseUnavailable, TimeoutError, OSError) as exc:
             self._connected_since = None
             self._say(f"cannot renew its lease: {exc!r}")
             self.check_fence()
             return
-        if expires is None:
+        if renewed is None:
             await self._lost()
             return
+        if renewed[1] != self.state:
+            log.warning("node %s is %s now", self.me.node_id, renewed[1])
+            self.state = renewed[1]
         self._ok(sent)
 
     def check_fence(self) -> None:

@@ -130,7 +130,8 @@ class InlineSQLite:
     async def transaction(self, wait_s: float) -> AsyncIterator[InlineConnection]:
         if self._write.locked():
             try:
-                await asyncio.wait_for(self._write.acquire(), wait_s)
+                async with asyncio.timeout(wait_s):  # not wait_for: 3.11's can lose a cancellation (gh-86296)
+                    await self._write.acquire()
             except TimeoutError:
                 raise sqlite3.OperationalError(f"no write transaction could start within {wait_s:.0f} s: "
                                                "database is locked") from None

@@ -27,7 +27,7 @@ from keepstate.db.repos import Keys
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import BadRequest, Conflict, NotFound, Unsupported
+from keepstate.errors import BadRequest, Conflict, Draining, NotFound, Unsupported
 from keepstate.runtime.base import Runtime
 from keepstate.session import SessionRecorder
 from keepstate.session.journal import JournalBusy
@@ -120,6 +120,7 @@ class SandboxManager:
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
         # Built templates (builds/service.py) resolve here like snapshots: ref -> a Snapshot.
         self.template_resolver: Callable[[str], Awaitable[Snapshot | None]] | None = None
+        self.refusing: Callable[[], str | None] = lambda: None  # why this node takes no creates now (a drain)
 
     # -- start and stop ---------------------------------------------------------------------------------------
     async def start(self, open_ports: tuple[int, ...] = (), warm: tuple[str, ...] = ("base",)) -> None:
@@ -235,6 +236,8 @@ class SandboxManager:
                              f"(create them with POST /secrets first)")
 
     async def create(self, req: CreateRequest, api_key_id: str | None) -> SandboxRow:
+        if (why := self.refusing()) is not None:
+            raise Draining(why)
         if req.network:
             await self.check_secrets(Policy.from_json(req.network))
         await self._read_key_limit(api_key_id)
@@ -369,7 +372,8 @@ class SandboxManager:
                 raise NotFound(f"sandbox \"{sandbox_id}\" not found")
             await self.rows.put(row)
             self.table.enter(row)
-            await self._record_session(row)
+            if await self.recorder.lineage.session(row.session_id) is None:  # this server's history lacks it
+                await self.recorder.lineage.record_session(row.session_id, row.template_id)
 
     async def _take_over(self, sandbox_id: str, owner: str) -> None:
         row = await self.rows.take_over(sandbox_id)
@@ -586,11 +590,6 @@ class SandboxManager:
         await self.recorder.killed(row.session_id, "kill")
 
     # -- shared store ---------------------------------------------------------------------------------------------
-    async def _record_session(self, row: SandboxRow) -> None:
-        """The session of a sandbox loaded from the store, if this server's history has not got it yet."""
-        if await self.recorder.lineage.session(row.session_id) is None:
-            await self.recorder.lineage.record_session(row.session_id, row.template_id)
-
     async def _journal_fetch(self, session_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:
         try:
             return await self.agents.journal(session_id, url, token, after, limit)

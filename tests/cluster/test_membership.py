@@ -28,7 +28,7 @@ class FlakyNodes(Nodes):
     down = False
     renewals = 0
 
-    async def renew(self, *args: object, **kw: object) -> float | None:
+    async def renew(self, *args: object, **kw: object) -> tuple[float, str] | None:
         self.renewals += 1
         if self.down:
             raise DatabaseUnavailable("the database went away (test)")

@@ -81,3 +81,18 @@ async def test_two_nodes_on_one_database_each_keep_to_their_own_sandboxes(postgr
             assert after is not None and before is not None and after.state == before.state
             assert (await a.call("GET", f"/sandboxes/{sid}"))[0] == 200
         assert {n["nodeID"]: n["state"] for n in await nodes_of(a)} == {"a": "alive", "b": "left"}
+
+
+async def test_a_drained_node_takes_no_creates_and_serves_what_it_has() -> None:
+    async with serving(node="a", lease=(1.0, 0.1, 0.4)) as s:
+        assert s.app is not None
+        status, made = await s.call("POST", "/sandboxes", {"templateID": "base", "timeout": 60})
+        assert status == 201, made
+        assert await Nodes(s.manager.db).drain("a")  # what `keepstate nodes drain a` does
+        while s.app[MEMBERSHIP].state != "draining":  # heard at its next renewal
+            await asyncio.sleep(0.05)
+        async with s.http.post(s.url + "/sandboxes", json={"templateID": "base"}, headers=s.headers) as r:
+            body = await r.json()
+            assert r.status == 503 and r.headers["Should-Retry"] == "false" and "draining" in body["message"]
+        assert (await s.call("GET", f"/sandboxes/{made['sandboxID']}"))[0] == 200
+        assert [(n["nodeID"], n["state"]) for n in await nodes_of(s)] == [("a", "draining")]

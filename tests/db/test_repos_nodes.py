@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from keepstate.db.engine import Database
 from keepstate.db.records import NodeRecord
 from keepstate.db.repos import Nodes
@@ -24,7 +26,7 @@ async def test_joins_make_incarnations_and_only_the_holder_renews(database: Data
     assert first.incarnation == 1 and first.state == "alive" and first.cpu_features == ("avx2", "sse4_2")
     assert now - 1 < first.joined_at <= now and abs(first.lease_expires_at - (first.joined_at + 10)) < 0.01
     renewed = await nodes.renew("a", 1, ttl_s=30, metrics='{"sandboxes": 3}')
-    assert renewed is not None and renewed > first.lease_expires_at + 15
+    assert renewed is not None and renewed[0] > first.lease_expires_at + 15 and renewed[1] == "alive"
     again = await nodes.join(node("a"), ttl_s=10)  # the same node started anew
     assert again.incarnation == 2
     assert await nodes.renew("a", 1, ttl_s=10) is None  # the old incarnation's lease is gone
@@ -40,7 +42,8 @@ async def test_drain_and_remove(database: Database) -> None:
     await nodes.join(node("b"), ttl_s=10)
     assert await nodes.drain("a") and not await nodes.drain("a") and not await nodes.drain("zz")
     assert [(n.node_id, n.state) for n in await nodes.list()] == [("a", "draining"), ("b", "alive")]
-    assert await nodes.renew("a", a.incarnation, ttl_s=10) is not None  # a draining node keeps its lease
+    assert await nodes.renew("a", a.incarnation, ttl_s=10) == (pytest.approx(await nodes.now() + 10, abs=0.5),
+                                                                "draining")  # it keeps its lease, and hears it
     assert await nodes.remove("a") and not await nodes.remove("a")
     assert await nodes.renew("a", a.incarnation, ttl_s=10) is None
     assert [n.node_id for n in await nodes.list()] == ["b"]

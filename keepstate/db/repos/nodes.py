@@ -7,7 +7,7 @@ is the database's own clock (`clock_timestamp()` on PostgreSQL, `julianday('now'
 
     nodes = Nodes(db)
     me = await nodes.join(NodeRecord(node_id="a", address="http://10.0.0.1:3000", ...), ttl_s=10)
-    expires = await nodes.renew("a", me.incarnation, ttl_s=10)      # None: not ours any more
+    expires, state = await nodes.renew("a", me.incarnation, ttl_s=10)   # None: not ours any more
     dead = await nodes.expire(grace_s=10, max_dead_fraction=0.5)     # the reaper (any node may run it)
 """
 
@@ -64,18 +64,20 @@ class Nodes:
         assert stored is not None
         return stored
 
-    async def renew(self, node_id: str, incarnation: int, ttl_s: float, metrics: str | None = None) -> float | None:
-        """Extend the lease of this incarnation to the database's now + `ttl_s`; the new expiry, or None if the
-        incarnation no longer holds the row (declared dead, removed, or a newer incarnation joined)."""
+    async def renew(self, node_id: str, incarnation: int, ttl_s: float,
+                    metrics: str | None = None) -> tuple[float, str] | None:
+        """Extend the lease of this incarnation to the database's now + `ttl_s`; the new expiry and the node's state
+        (`alive`, or `draining` if an operator drained it), or None if the incarnation no longer holds the row
+        (declared dead, removed, or a newer incarnation joined)."""
         values: dict[str, Any] = {"lease_expires_at": db_now(self.db.kind) + ttl_s}
         if metrics is not None:
             values["metrics"] = metrics
         async with self.db.transaction() as conn:
             done = await conn.execute(
                 nodes.update().where(_c.node_id == node_id, _c.incarnation == incarnation, _c.state.in_(LIVE))
-                .values(**values).returning(_c.lease_expires_at))
-            expires = done.scalar_one_or_none()
-        return float(expires) if expires is not None else None
+                .values(**values).returning(_c.lease_expires_at, _c.state))
+            row = done.first()
+        return (float(row.lease_expires_at), str(row.state)) if row is not None else None
 
     async def leave(self, node_id: str, incarnation: int) -> bool:
         """The incarnation leaves (a clean stop): its lease ends now. False if it no longer held the row."""
