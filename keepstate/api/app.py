@@ -35,6 +35,7 @@ from keepstate.egress.service import Egress, EgressConfig
 from keepstate.errors import Busy, KeepStateError, NotFound, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime.base import Runtime
+from keepstate.sandbox import loops as sandbox_loops
 from keepstate.sandbox.admission import AdmissionConfig
 from keepstate.sandbox.durable import Durability
 from keepstate.sandbox.manager import SandboxManager
@@ -90,6 +91,10 @@ class ServerConfig:
     node: str | None = None  # --node: this server is a node of a cluster (docs/design/cluster.md); None: "local"
     advertise: str | None = None  # --advertise: the URL other nodes reach it on; default http://<listen>
     lease: tuple[float, float, float] = (TTL_S, RENEW_S, FENCE_MARGIN_S)  # the node's lease: TTL, renewal, margin
+    # --on-stop: "keep" (sandboxes run on; the next start re-adopts them) or "pause" (each running sandbox paused to
+    # the store and its standby released before the node leaves: another node resumes it); None: "pause" for a
+    # node of a cluster, else "keep"
+    on_stop: str | None = None
 
 
 def _envd_version() -> str:
@@ -284,6 +289,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
 
     async def on_cleanup(app: web.Application) -> None:
+        if (config.on_stop or ("pause" if config.node else "keep")) == "pause" and membership.fenced is None:
+            await sandbox_loops.pause_all(manager, "the node stops (--on-stop pause)")
         await poller.stop()  # first: its pulls go through the manager's AgentClient
         await template_builds.stop()
         await manager.stop(reap=config.reap_on_exit)

@@ -112,6 +112,10 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
                    "node `local`, never fenced. Letters, digits and '-', at most 63. KEEPSTATE_NODE too.")
 @click.option("--advertise", default=None, envvar="KEEPSTATE_ADVERTISE",
               help="The URL other nodes reach this one on (default http://<--listen>). KEEPSTATE_ADVERTISE too.")
+@click.option("--on-stop", type=click.Choice(["keep", "pause"]), default=None,
+              help="What a stop (SIGTERM) does with running sandboxes: `keep` them running for the next start to "
+                   "adopt, or `pause` each to the store (its standby released) so that another node can resume it. "
+                   "Default: pause for a node of a cluster (--node), else keep.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @egress_options
@@ -126,7 +130,7 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, domain: str | None,
           tls_cert: str | None, tls_key: str | None, tls_self_signed: bool, tls_listen: str | None,
           reap_on_exit: bool, runtime_kind: str, secrets_key_file: str | None, node: str | None,
-          advertise: str | None, log_level: str, egress: EgressConfig) -> None:
+          advertise: str | None, on_stop: str | None, log_level: str, egress: EgressConfig) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -172,7 +176,7 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                           freeze_idle_after=freeze_idle_after,
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images, domain=domain,
-                          secrets_key=secrets_key, db_url=db_url, node=node,
+                          secrets_key=secrets_key, db_url=db_url, node=node, on_stop=on_stop,
                           advertise=advertise.rstrip("/") if advertise else None,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,

@@ -149,3 +149,22 @@ async def sample_once(m: SandboxManager, row: SandboxRow, last: dict[str, tuple[
         "memUsed": stats.get("mem_used", 0), "memTotal": mem_total, "memCache": stats.get("mem_cache", 0),
         "diskUsed": disk_used, "diskTotal": disk_total,
     }
+
+
+async def pause_all(m: SandboxManager, why: str, at_once: int = 4) -> None:
+    """Pause every running sandbox to the store, `at_once` at a time, then release every standby: a node that leaves
+    this way holds nothing another node cannot resume (docs/design/cluster.md). A pause that fails is logged; that
+    sandbox stays as it was."""
+    limit = asyncio.Semaphore(at_once)
+
+    async def one(sandbox_id: str) -> None:
+        async with limit:
+            try:
+                await m.pause(sandbox_id)
+            except Exception as exc:  # noqa: BLE001 - every other sandbox is still paused
+                log.error("pausing %s as %s failed: %r", sandbox_id, why, exc)
+
+    running = [r.sandbox_id for r in m.running()]
+    log.info("pausing %d running sandboxes: %s", len(running), why)
+    await asyncio.gather(*(one(s) for s in running))
+    await asyncio.gather(*(m.release_standby(s, why) for s in m.standbys.ids()), return_exceptions=True)

@@ -158,7 +158,7 @@ class SandboxManager:
             rows = [r for p in self.pools.values() for r in p.drain()]
             rows += [r for r in self.table.all() if r.runtime_name]
             await asyncio.gather(*(self.instances.reap(r) for r in rows), return_exceptions=True)
-            await asyncio.gather(*(self._release_standby(s, "server stops") for s in self.standbys.ids()),
+            await asyncio.gather(*(self.release_standby(s, "server stops") for s in self.standbys.ids()),
                                  return_exceptions=True)
             self.table.drop()
         await self.table.close()
@@ -465,7 +465,7 @@ class SandboxManager:
                     and row.settings.retired.name == instance_row.runtime_name:
                 row.settings.retired = None
 
-    async def _release_standby(self, sandbox_id: str, why: str) -> None:
+    async def release_standby(self, sandbox_id: str, why: str) -> None:
         """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
         async with self.table.amend(sandbox_id) as row:
             self.standbys.discard(sandbox_id)
@@ -478,7 +478,7 @@ class SandboxManager:
 
     async def trim_standbys(self) -> None:
         for sandbox_id, why in self.standbys.due(time.time()):
-            await self._release_standby(sandbox_id, why)
+            await self.release_standby(sandbox_id, why)
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
         if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):

@@ -14,6 +14,7 @@ import pytest
 
 from keepstate.db.errors import Fenced
 from keepstate.db.repos import Nodes, Sandboxes
+from keepstate.testing import FakeRuntime
 from keepstate.testing.databases import postgres  # noqa: F401
 from keepstate.testing.postgres import PostgresServer
 
@@ -84,3 +85,30 @@ async def test_a_paused_session_moves_once_its_node_is_declared_dead(postgres: P
 
 async def _never() -> None:
     """A renewal that never reaches the database (a node frozen, or cut off from it)."""
+
+
+async def test_a_running_session_outlives_a_node_that_stops_with_on_stop_pause(postgres: PostgresServer,  # noqa: F811
+                                                                              tmp_path: Path) -> None:
+    """Rolling a node (E2B's orchestrators kill their sandboxes then, e2b-dev/infra#2397): a node of a cluster that
+    stops pauses each running sandbox to the store first and leaves; its sessions resume on another node."""
+    url = postgres.createdb(f"takeover_{secrets.token_hex(6)}")
+    store = f"file://{tmp_path / 'store'}"
+    runtime = FakeRuntime()  # a's host: it outlives a's server, and is looked at after a stops
+    try:
+        async with contextlib.AsyncExitStack() as on_a:
+            a = await on_a.enter_async_context(serving(node="a", db_url=url, store_url=store, lease=LEASE,
+                                                       runtime=runtime, reap_on_exit=False))  # on_stop: "pause"
+            status, made = await a.call("POST", "/sandboxes", {"templateID": "base", "timeout": 300})
+            assert status == 201, made
+            sid, token = made["sandboxID"], made["envdAccessToken"]
+            await write_file(a, sid, token, "/home/user/travels.txt", b"across nodes")
+            async with serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE) as b:
+                instance = a.manager.records[sid].runtime_name
+                assert runtime.statuses().get(instance) == "running"
+                await on_a.aclose()  # SIGTERM
+                row = await Sandboxes(b.manager.db).get(sid)
+                assert row is not None and (row.node_id, row.state) == ("a", "paused")
+                assert runtime.statuses().get(instance, "gone") == "gone"  # paused to the store, standby released
+                await moved_and_fenced(b, sid, token)
+    finally:
+        runtime.close()
