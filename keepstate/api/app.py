@@ -53,6 +53,7 @@ from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
 from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
+from .relay import Relay
 from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import Spec, validating_middleware
 
@@ -209,6 +210,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     manager.refusing = lambda: (f"node {node_id} is draining: it takes no new sandboxes (create through another node)"
                                 if membership.state == "draining" else None)
     keys = KeyCache(Keys(db))
+    relay = Relay(db, node_id)
     template_builds = TemplateBuilds(manager, db, config.home)
 
     async def to_router(request: web.Request) -> web.StreamResponse:
@@ -226,6 +228,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             return control.error_response(Busy(f"node {node_id} is fenced ({membership.fenced}): it serves its "
                                                "sandboxes again once it renews its lease", retry_after=2))
         if is_data_plane(request):
+            target = target_of(request)
+            if target is not None and manager.table.find(target[0]) is None \
+                    and (owner := await relayed_owner(request, target[0])) is not None:
+                return await relay.forward(request, *owner)
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
         # A build context's upload URL carries its own signature (builds/uploads.py): the SDK sends no API key.
@@ -235,7 +241,17 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                 request[API_KEY_ID] = await keys.check(request.headers.get("X-API-KEY"))
             except KeepStateError as exc:
                 return control.error_response(exc)
+        sandbox_id = request.match_info.get("sandbox_id")
+        if sandbox_id is not None and manager.table.find(sandbox_id := control.sid(request)) is None \
+                and (owner := await relayed_owner(request, sandbox_id)) is not None:
+            return await relay.forward(request, *owner)
         return await errors_as_json(request, handler)
+
+    async def relayed_owner(request: web.Request, sandbox_id: str) -> tuple[str, str] | None:
+        try:
+            return await relay.owner(request, sandbox_id)
+        except KeepStateError:  # the database is away: this node answers what it can
+            return None
 
     # Outermost: with KEEPSTATE_VALIDATE_RESPONSES=1 every control-plane answer, errors included, is checked
     # against docs/openapi.yaml (tests run the server so).
@@ -303,6 +319,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         if gateway is not None and not gateway_runner:
             await gateway.close()
         await router.stop()
+        await relay.close()
         durable.close()
         for task in membership_task:
             task.cancel()

@@ -1,6 +1,6 @@
 """A server is a node of its database: it joins at start (`GET /nodes`, `keepstate nodes ls`), leaves at stop, and
 while fenced answers 503 to everything but its health and the node list. Two nodes on one PostgreSQL database keep
-to their own sandboxes (each adopts only its own rows)."""
+to their own sandboxes (each adopts only its own rows; the other's it relays)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ async def test_two_nodes_on_one_database_each_keep_to_their_own_sandboxes(postgr
         before = await a.row(sid)
         async with serving(node="b", db_url=url, key=a.key) as b:  # starts (and adopts) after a's create
             assert [(n["nodeID"], n["self"]) for n in await nodes_of(b)] == [("a", False), ("b", True)]
-            assert sid not in b.manager.records and (await b.call("GET", f"/sandboxes/{sid}"))[0] == 404
+            assert sid not in b.manager.records  # not adopted: b answers for it by relaying to a
+            assert (await b.call("GET", f"/sandboxes/{sid}"))[0] == 200
             after = await a.row(sid)
             assert after is not None and before is not None and after.state == before.state
             assert (await a.call("GET", f"/sandboxes/{sid}"))[0] == 200

@@ -1,7 +1,8 @@
 """A paused session outlives its node: when the node is gone (it left, or the reaper declared it dead), a connect
 through another node of the same database and store takes the sandbox over (its epoch moves on, so the old owner's
 writes are refused) and resumes it there with its files; while the owner is live, the other node refuses it and
-names the owner. The session's history records the move and still verifies."""
+names the owner (a request not relayed to it already is relayed). The session's history records the move and still
+verifies."""
 
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ async def test_a_paused_session_moves_once_its_node_left(postgres: PostgresServe
         a = await on_a.enter_async_context(serving(node="a", db_url=url, store_url=store, lease=LEASE))
         sid, token = await paused_on(a)
         async with serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE) as b:
-            status, refused = await b.call("POST", f"/sandboxes/{sid}/connect", {"timeout": 60})
-            assert status == 409 and "node a" in refused["message"]  # a is live: b does not take it
-            assert (await b.call("GET", f"/sandboxes/{sid}"))[0] == 404
+            status, info = await b.call("GET", f"/sandboxes/{sid}")  # a is live: b relays to it, takes nothing
+            assert status == 200 and info["state"] == "paused" and sid not in b.manager.records
+            async with b.http.post(f"{b.url}/sandboxes/{sid}/connect", json={"timeout": 60},
+                                   headers={**b.headers, "X-KeepState-Relayed": "c"}) as r:
+                assert r.status == 409 and "node a" in (await r.json())["message"]  # never taken from a live node
             await on_a.aclose()  # a stops cleanly: it leaves; its paused sandbox's row and checkpoint stay
             await moved_and_fenced(b, sid, token)
 

@@ -102,7 +102,8 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
     the first one's sandboxes (adoption). Options are ServerConfig fields."""
     home = home or Path(tempfile.mkdtemp(prefix="keepstate-inproc-"))
     owned: FakeRuntime | None = None
-    options = {"pool_size": 2, "warm_templates": ("base",), "reap_on_exit": True, **options}
+    port = free_port()  # known to the app: a node of a cluster advertises it
+    options = {"pool_size": 2, "warm_templates": ("base",), "reap_on_exit": True, "port": port, **options}
     if kind == "gvisor":
         why = gvisor_unavailable()
         if why:
@@ -117,7 +118,6 @@ async def serving(kind: str = "fake", home: Path | None = None, runtime: Runtime
         app = create_app(ServerConfig(home=home, runtime="fake", **options), runtime, FakeTemplates())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     key = key or (await issue(Keys(app[DATABASE]), "tests"))[1]  # after startup: it migrates the database
     manager = app[MANAGER]
