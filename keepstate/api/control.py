@@ -187,7 +187,7 @@ async def update_network(request: web.Request) -> web.Response:
 
 @routes.get("/v2/sandboxes")
 async def list_v2(request: web.Request) -> web.Response:
-    rows = manager(request).listed()
+    rows = await manager(request).table.cluster_listed()
     page, token = schemas.filter_and_page(rows, dict(request.query))
     headers = {"X-Total-Running": str(sum(1 for r in rows if PUBLIC.get(r.state) == "running"))}
     if token:
@@ -200,7 +200,7 @@ async def list_v1(request: web.Request) -> web.Response:
     query = {"state": "running", "limit": "100"}
     if request.query.get("metadata"):
         query["metadata"] = request.query["metadata"]
-    rows = manager(request).listed()
+    rows = await manager(request).table.cluster_listed()
     out = []
     while True:
         page, token = schemas.filter_and_page(rows, query)

@@ -57,6 +57,10 @@ class SandboxRows:
         version = await self._repo.transition(row.sandbox_id, seen[0], seen[1], **changes)
         self._seen[row.sandbox_id] = (version, seen[1])
 
+    async def others(self, states: tuple[State, ...]) -> builtins.list[SandboxRow]:
+        """Other nodes' sandboxes in `states`, as rows to show (not to write: their versions are not remembered)."""
+        return [self._view(rec) for rec in await self._repo.others(self.node_id, [str(s) for s in states])]
+
     async def owner(self, sandbox_id: str) -> str | None:
         """The node whose row the sandbox is (None: no row)."""
         found = await self._repo.get(sandbox_id)
@@ -138,6 +142,9 @@ class SandboxRows:
 
     def _row(self, rec: SandboxRecord) -> SandboxRow:
         self._seen[rec.sandbox_id] = (rec.version, rec.epoch)
+        return self._view(rec)
+
+    def _view(self, rec: SandboxRecord) -> SandboxRow:
         return SandboxRow(sandbox_id=rec.sandbox_id, state=State(rec.state), template_id=rec.template_id,
                           template_digest=rec.template_digest, runtime_name=rec.runtime_name, slot=rec.slot,
                           address=rec.address, access_token=rec.access_token, started_at=rec.started_at,

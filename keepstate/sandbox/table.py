@@ -38,7 +38,7 @@ from keepstate.errors import NotFound
 
 from .record import SandboxRow
 from .rows import SandboxRows
-from .state import Command, State, Transition, listed, transition
+from .state import PUBLIC, Command, State, Transition, listed, transition
 
 log = logging.getLogger("keepstate.sandbox.table")
 
@@ -96,6 +96,13 @@ class SandboxTable:
 
     def listed(self) -> list[SandboxRow]:
         return [r for r in self._records.values() if listed(r.state)]
+
+    async def cluster_listed(self) -> list[SandboxRow]:
+        """The listed sandboxes of every node of the database: this node's as it holds them, the others' rows (a
+        list through any node of a cluster shows them all)."""
+        here = self.listed()
+        known = {r.sandbox_id for r in here}
+        return here + [r for r in await self.rows.others(tuple(PUBLIC)) if r.sandbox_id not in known]
 
     def running(self) -> list[SandboxRow]:
         return [r for r in self._records.values() if r.state in (State.RUNNING, State.CHECKPOINTING)]

@@ -241,12 +241,19 @@ class StubManager:
         self.pools: dict[str, Any] = {}
         self.live: dict[str, Any] = {}
         self.rows = self
+        self.table = self  # the sandbox table's query methods too
 
     async def snapshots(self) -> list[dict[str, Any]]:
         return []
 
     def listed(self) -> list[Any]:
         return []
+
+    async def cluster_listed(self) -> list[Any]:
+        return []
+
+    def find(self, sandbox_id: str) -> None:
+        return None
 
     def running(self) -> list[Any]:
         return []

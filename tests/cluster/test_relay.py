@@ -22,12 +22,15 @@ async def test_another_node_answers_for_a_sandbox_in_one_hop(postgres: PostgresS
     store = f"file://{tmp_path / 'store'}"
     async with serving(node="a", db_url=url, store_url=store, lease=LEASE) as a, \
             serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE) as b:
-        status, made = await b.call("POST", "/sandboxes", {"templateID": "base", "timeout": 300})
-        assert status == 201, made  # b made it: b owns it
+        status, on_b = await b.call("POST", "/sandboxes", {"templateID": "base", "timeout": 300})
+        assert status == 201, on_b  # b made it: b owns it
         status, made = await a.call("POST", "/sandboxes", {"templateID": "base", "timeout": 300})
         assert status == 201, made
         sid, token = made["sandboxID"], made["envdAccessToken"]
         assert sid in a.manager.records and sid not in b.manager.records
+        for node in (a, b):  # a list through any node shows every node's sandboxes
+            status, listed = await node.call("GET", "/v2/sandboxes")
+            assert status == 200 and {x["sandboxID"] for x in listed} == {sid, on_b["sandboxID"]}
 
         status, info = await b.call("GET", f"/sandboxes/{sid}")  # the control plane, through b
         assert status == 200 and info["sandboxID"] == sid

@@ -69,6 +69,12 @@ class Sandboxes:
             rows = await conn.execute(query.order_by(_c.started_at, _c.sandbox_id))
             return [record(SandboxRecord, r) for r in rows]
 
+    async def others(self, node_id: str, states: Collection[str]) -> builtins.list[SandboxRecord]:
+        """Every other node's sandboxes in `states`, oldest first (a cluster-wide list)."""
+        query = sa.select(sandboxes).where(_c.node_id != node_id, _c.state.in_(tuple(states))).order_by(_c.started_at)
+        async with self.db.read() as conn:
+            return [record(SandboxRecord, r) for r in await conn.execute(query)]
+
     async def used_slots(self, node_id: str) -> set[int]:
         """The slots the node's rows hold (a slot below 0 is none)."""
         async with self.db.read() as conn:
