@@ -53,7 +53,7 @@ from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
 from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
-from .relay import Relay
+from .relay import RELAYED, Relay
 from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import Spec, validating_middleware
 
@@ -230,8 +230,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         if is_data_plane(request):
             target = target_of(request)
             if target is not None and manager.table.find(target[0]) is None \
-                    and (owner := await relayed_owner(request, target[0])) is not None:
-                return await relay.forward(request, *owner)
+                    and (relayed := await relay_to_owner(request, target[0])) is not None:
+                return relayed
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
         # A build context's upload URL carries its own signature (builds/uploads.py): the SDK sends no API key.
@@ -242,16 +242,30 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             except KeepStateError as exc:
                 return control.error_response(exc)
         sandbox_id = request.match_info.get("sandbox_id")
-        if sandbox_id is not None and manager.table.find(sandbox_id := control.sid(request)) is None \
-                and (owner := await relayed_owner(request, sandbox_id)) is not None:
-            return await relay.forward(request, *owner)
+        if sandbox_id is not None and not request.path.endswith(HISTORY_PATHS) \
+                and manager.table.find(sandbox_id := control.sid(request)) is None \
+                and (relayed := await relay_to_owner(request, sandbox_id)) is not None:
+            return relayed
         return await errors_as_json(request, handler)
 
-    async def relayed_owner(request: web.Request, sandbox_id: str) -> tuple[str, str] | None:
-        try:
-            return await relay.owner(request, sandbox_id)
-        except KeepStateError:  # the database is away: this node answers what it can
-            return None
+    async def relay_to_owner(request: web.Request, sandbox_id: str) -> web.StreamResponse | None:
+        """The owner's answer if another live node holds the sandbox (api/relay.py); None: this node answers."""
+        if RELAYED in request.headers:
+            # Relayed here by a node that believed this one holds it: if it does not, say so before any body is read.
+            return web.json_response({"code": 421, "message": f"node {node_id} does not hold sandbox {sandbox_id}"},
+                                     status=421)
+        for last in (False, True):
+            try:
+                owner = await relay.owner(request, sandbox_id)
+            except KeepStateError:  # the database is away: this node answers what it can
+                return None
+            if owner is None:
+                return None
+            answer = await relay.forward(request, *owner, last=last)
+            if answer is not None:
+                return answer
+            relay.forget(sandbox_id)  # misdirected: it moved since it was looked up
+        return None
 
     # Outermost: with KEEPSTATE_VALIDATE_RESPONSES=1 every control-plane answer, errors included, is checked
     # against docs/openapi.yaml (tests run the server so).
@@ -333,6 +347,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     return app
 
 
+# A sandbox's history is the shared database's: any node answers for it without a hop.
+HISTORY_PATHS = ("/events", "/lineage")
 # Answered by a fenced node too: its health, and who is in the cluster.
 UNFENCED = ("/health", "/nodes")
 

@@ -39,7 +39,7 @@ async def test_another_node_answers_for_a_sandbox_in_one_hop(postgres: PostgresS
         assert await read_file(a, sid, token, "/home/user/through-b.bin") == body
         assert await read_file(b, sid, token, "/home/user/through-b.bin") == body
         async with b.http.get(f"{b.url}/sandboxes/{sid}", headers={**b.headers, "X-KeepState-Relayed": "c"}) as r:
-            assert r.status == 404  # already relayed once: b answers from what it holds
+            assert r.status == 421  # relayed here, but b does not hold it: the relaying node is to look again
         assert (await b.call("POST", f"/sandboxes/{sid}/pause"))[0] == 204  # a command, through b
         assert (await a.call("GET", f"/sandboxes/{sid}"))[1]["state"] == "paused"
         assert (await b.call("POST", f"/sandboxes/{sid}/connect", {"timeout": 60}))[0] == 201  # resumed on a

@@ -64,7 +64,8 @@ async def test_a_paused_session_moves_once_its_node_left(postgres: PostgresServe
             assert status == 200 and info["state"] == "paused" and sid not in b.manager.records
             async with b.http.post(f"{b.url}/sandboxes/{sid}/connect", json={"timeout": 60},
                                    headers={**b.headers, "X-KeepState-Relayed": "c"}) as r:
-                assert r.status == 409 and "node a" in (await r.json())["message"]  # never taken from a live node
+                assert r.status == 421  # misdirected to b: b takes nothing from a live node
+            assert sid not in b.manager.records
             await on_a.aclose()  # a stops cleanly: it leaves; its paused sandbox's row and checkpoint stay
             await moved_and_fenced(b, sid, token)
 

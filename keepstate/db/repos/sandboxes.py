@@ -69,6 +69,16 @@ class Sandboxes:
             rows = await conn.execute(query.order_by(_c.started_at, _c.sandbox_id))
             return [record(SandboxRecord, r) for r in rows]
 
+    async def owner_node(self, sandbox_id: str) -> tuple[str, str, str] | None:
+        """(node, its address, its state) of the node whose row the sandbox is, in one read; the address and state
+        are empty for a node that never joined. None: no such sandbox."""
+        query = (sa.select(_c.node_id, nodes.c.address, nodes.c.state)
+                 .select_from(sandboxes.outerjoin(nodes, nodes.c.node_id == _c.node_id))
+                 .where(_c.sandbox_id == sandbox_id))
+        async with self.db.read() as conn:
+            row = (await conn.execute(query)).first()
+        return (row.node_id, row.address or "", row.state or "") if row is not None else None
+
     async def others(self, node_id: str, states: Collection[str]) -> builtins.list[SandboxRecord]:
         """Every other node's sandboxes in `states`, oldest first (a cluster-wide list)."""
         query = sa.select(sandboxes).where(_c.node_id != node_id, _c.state.in_(tuple(states))).order_by(_c.started_at)
