@@ -316,8 +316,9 @@ class AgentClient:
         """A proxied request waits while a snapshot or fork quiesces the sandbox (it runs on afterwards)."""
         event = self._closed.get(sandbox_id)
         if event is not None and sandbox_id in self._hold:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):  # not wait_for: 3.11's can lose a cancellation (gh-86296)
+                    await event.wait()
 
     def proxy_pool(self, sandbox_id: str) -> SandboxConnections:
         """The sandbox's keep-alive pool of HTTP connections (a new one after the gate or a kill closed the last)."""

@@ -170,7 +170,8 @@ class Instances:
         for port in ports:
             while True:
                 try:
-                    _, writer = await asyncio.wait_for(asyncio.open_connection(row.address, port), timeout=2)
+                    async with asyncio.timeout(2):  # not wait_for: 3.11's can lose a cancellation (gh-86296)
+                        _, writer = await asyncio.open_connection(row.address, port)
                     writer.close()
                     await writer.wait_closed()
                     break

@@ -109,8 +109,15 @@ class Teardowns:
         task = self._running.get(name)
         if task is None:
             task = self._running[name] = asyncio.get_running_loop().create_task(self._once(name))
-            task.add_done_callback(lambda _t: self._running.pop(name, None))
+            task.add_done_callback(lambda _t: self._finished(name))
         return task
+
+    def _finished(self, name: str) -> None:
+        """An attempt ended: it no longer counts as running, and the retry loop looks again (at its next try, if it
+        failed). Woken here, not from inside the attempt: there it would look while the attempt still ran."""
+        self._running.pop(name, None)
+        if self._wake is not None:
+            self._wake.set()
 
     async def _once(self, name: str) -> bool:
         rec = self._pending[name]
@@ -142,8 +149,6 @@ class Teardowns:
         except DatabaseUnavailable as exc:  # the attempt count stays in memory; the record keeps the older one
             log.warning("teardown of %s: its failure is not recorded: %s", name, exc)
         log.warning("teardown of %s failed (attempt %d; next in %.0f s): %s", name, attempts, wait, error)
-        if self._wake is not None:
-            self._wake.set()
         return False
 
     def _destroy(self, rec: TeardownRecord) -> tuple[int, list[str]]:
@@ -170,6 +175,9 @@ class Teardowns:
                     self._task(rec.runtime_name)
             later = [r.next_try for r in waiting if r.next_try > now]
             self._wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that arrives as the event is
+            # set (gh-86296), and stop() would then wait for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, min(later, default=now + 60) - now))
+                async with asyncio.timeout(max(0.05, min(later, default=now + 60) - now)):
+                    await self._wake.wait()
 
