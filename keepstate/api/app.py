@@ -256,7 +256,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                      status=421)
         for last in (False, True):
             try:
-                owner = await relay.owner(request, sandbox_id)
+                owner = await relay.owner(sandbox_id)
             except KeepStateError:  # the database is away: this node answers what it can
                 return None
             if owner is None:

@@ -41,11 +41,9 @@ class Relay:
         self._http: aiohttp.ClientSession | None = None
         self._owners: dict[str, tuple[float, tuple[str, str] | None]] = {}  # sandbox -> (until, (node, address))
 
-    async def owner(self, request: web.Request, sandbox_id: str) -> tuple[str, str] | None:
-        """(node, address) of the live node that owns `sandbox_id`, if it is another one and this request may be
-        relayed; None: this node answers it."""
-        if RELAYED in request.headers:
-            return None
+    async def owner(self, sandbox_id: str) -> tuple[str, str] | None:
+        """(node, address) of the live node that owns `sandbox_id`, if it is another one; None: this node answers.
+        (A request relayed here already is never asked about: the caller answers it, api/app.py.)"""
         now = time.monotonic()
         known = self._owners.get(sandbox_id)
         if known is not None and known[0] > now:

@@ -191,12 +191,12 @@ class SandboxManager:
     # -- places (admission.py): what holds one now ------------------------------------------------------------
     def _on_host(self) -> int:
         """Instances on this host: listed sandboxes that have one (a standby too), pooled ones ready or starting."""
-        held = sum(1 for r in self.table if r.state in ACTIVE
+        held = sum(1 for r in self.table.all() if r.state in ACTIVE
                    or (r.state == State.PAUSED and r.settings.standby is not None))
         return held + sum(len(p) + p.starting for p in self.pools.values())
 
     def _running_of(self, key_id: str) -> int:
-        return sum(1 for r in self.table if r.api_key_id == key_id and r.state in ACTIVE)
+        return sum(1 for r in self.table.all() if r.api_key_id == key_id and r.state in ACTIVE)
 
     def _key_limit(self, key_id: str) -> tuple[str, int | None]:
         return self._key_limits.get(key_id, (key_id, None))
@@ -295,6 +295,7 @@ class SandboxManager:
     async def _expire(self, step: Step) -> None:
         row = step.row
         if row.settings.auto_pause:
+            # Files only where the sandbox has a disk: what pause()'s admit checks, so the hand-over needs none.
             files_only = not row.settings.auto_pause_memory and bool(row.settings.disk_mb)
             log.info("sandbox %s reached its timeout; pausing it (autoPause%s)", row.sandbox_id,
                      ", files only" if files_only else "")
@@ -382,9 +383,9 @@ class SandboxManager:
                            "send its requests to that node")
         row.runtime_name, row.slot, row.address = "", -1, ""
         row.settings.standby = row.settings.retired = None  # the gone node's host's: its next start reaps them
+        self.table.enter(row)  # this node's now, in the database: held here whatever follows (a kill works)
         if row.settings.checkpoint_id is None:
             raise Conflict(f"sandbox {sandbox_id} of node {owner} has no checkpoint to resume from")
-        self.table.enter(row)
         log.warning("took over paused sandbox %s from node %s, which is gone", sandbox_id, owner)
         await self.recorder.record(row.session_id, "sandbox.node.moved",
                                    {"from": owner, "to": self.rows.node_id, "checkpoint": row.settings.checkpoint_id})
@@ -431,8 +432,6 @@ class SandboxManager:
         """Checkpoint the sandbox and stop its instance. Without memory only its files are kept, the instance is
         torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md)."""
         row = step.row
-        if not memory:
-            await self._admit_pause(row)
         self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
         manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
         instance = row.instance()
@@ -464,6 +463,7 @@ class SandboxManager:
             if row is not None and row.settings.retired is not None \
                     and row.settings.retired.name == instance_row.runtime_name:
                 row.settings.retired = None
+                await self.table.save(row)
 
     async def release_standby(self, sandbox_id: str, why: str) -> None:
         """Destroy a paused sandbox's standby; its checkpoint stays, so a resume restores from the store."""
@@ -474,6 +474,7 @@ class SandboxManager:
             log.info("releasing the standby of paused sandbox %s (%s)", sandbox_id, why)
             standby, row.settings.standby = row.settings.standby, None
             row.settings.retired = standby  # until it is gone: a server killed meanwhile reaps it on start
+            await self.table.save(row)
         await self._retire(sandbox_id, row.with_instance(standby))
 
     async def trim_standbys(self) -> None:

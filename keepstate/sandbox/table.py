@@ -20,7 +20,7 @@ database catches up (never a sandbox shown running here and pausing in the datab
 
 Sandboxes enter the table by `claim` (a create: CREATE's transition from POOLED) or `enter` (a fork's child, a
 sandbox loaded from the store, one adopted at start: rows born in their state), and leave by a KILLED transition
-or `drop` (a server that stops with reap). `amend` changes a record's fields that are
+or `drop` (a server that stops with reap). `amend` (then `save`) changes a record's fields that are
 not its state (a retired instance forgotten), under the lock. Readers use the query methods; `lock`/`try_lock`
 are for the two housekeepers that must not run beside a command (the idle freezer, standby release).
 """
@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from keepstate.db.errors import DatabaseUnavailable
 from keepstate.errors import NotFound
@@ -49,8 +49,8 @@ RETRY_MAX = 30.0
 class Step:
     """One command's passage through its transition: the row it acts on, and when its success is written."""
 
-    def __init__(self, table: SandboxTable, row: SandboxRow, command: Command, move: Transition) -> None:
-        self.table, self.row, self.command, self.move = table, row, command, move
+    def __init__(self, table: SandboxTable, row: SandboxRow, move: Transition) -> None:
+        self.table, self.row, self.move = table, row, move
         self.origin = row.state  # the stable state it started from
         self.finished = False  # its end state is written (by done(), or by a command it handed over to)
 
@@ -160,7 +160,7 @@ class SandboxTable:
     @contextlib.asynccontextmanager
     async def _transition(self, row: SandboxRow, command: Command) -> AsyncIterator[Step]:
         move = transition(command, row.state, row.sandbox_id)
-        step = Step(self, row, command, move)
+        step = Step(self, row, move)
         if move.transient is not None:
             await self._write(row, move.transient)  # refused (the database is away): nothing changed
         try:
@@ -237,20 +237,16 @@ class SandboxTable:
         assert row.state in (State.RUNNING, State.PAUSED), row.state
         self._records[row.sandbox_id] = row
 
-    def drop(self) -> list[SandboxRow]:
-        """Every record, forgotten: a server stopping with reap tears their instances down."""
-        rows, self._records = list(self._records.values()), {}
-        return rows
+    def drop(self) -> None:
+        """Every record, forgotten: a server stopping with reap has torn their instances down."""
+        self._records = {}
 
     @contextlib.asynccontextmanager
     async def amend(self, sandbox_id: str) -> AsyncIterator[SandboxRow | None]:
-        """A record's fields that are not its state, changed under its lock and written when the block ends (if
-        the block changed nothing it may yield None: a sandbox gone meanwhile)."""
+        """The record (None: gone meanwhile) under its lock, for a change of fields that are not its state; the
+        block writes what it changed with `save`, and only then."""
         async with self.lock(sandbox_id):
-            row = self._records.get(sandbox_id)
-            yield row
-            if row is not None and self._records.get(sandbox_id) is row:
-                await self.rows.put(row)
+            yield self._records.get(sandbox_id)
 
     async def save(self, row: SandboxRow) -> None:
         """Write the fields a command's body changed, its state unchanged (under the command's lock)."""
@@ -260,6 +256,3 @@ class SandboxTable:
         for task in list(self._retries):
             task.cancel()
         await asyncio.gather(*self._retries, return_exceptions=True)
-
-    def __iter__(self) -> Iterator[SandboxRow]:
-        return iter(list(self._records.values()))
