@@ -16,7 +16,6 @@ MEMBERSHIP = web.AppKey("membership", Membership)
 
 @routes.get("/nodes")
 async def list_nodes(request: web.Request) -> web.Response:
-    repo = Nodes(request.app[DATABASE])
-    found, now = await repo.list(), await repo.now()
+    found, now = await Nodes(request.app[DATABASE]).shown()
     me = request.app[MEMBERSHIP].me.node_id
     return web.json_response([node_json(n, now, me) for n in found])

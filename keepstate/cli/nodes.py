@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from keepstate.cluster.view import node_json
-from keepstate.db.records import NodeRecord
 from keepstate.db.repos import Nodes
+from keepstate.db.repos.nodes import LIVE
 from keepstate.errors import NotFound
 
 from .common import Group, emit_json, home_option, json_option
@@ -32,10 +32,7 @@ def nodes() -> None:
 def ls(as_json: bool) -> None:
     """Every node: its state, address, and how long its lease has left by the database's clock."""
 
-    async def read(repo: Nodes) -> tuple[list[NodeRecord], float]:
-        return await repo.list(), await repo.now()
-
-    found, now = run(lambda db: read(Nodes(db)))
+    found, now = run(lambda db: Nodes(db).shown())
     shown = [node_json(n, now) for n in found]
     if as_json:
         emit_json(shown)
@@ -45,7 +42,7 @@ def ls(as_json: bool) -> None:
         return
     click.echo(f"{'NODE':<16} {'STATE':<9} {'INC':>4} {'LEASE':>8}  {'SANDBOXES':>9}  ADDRESS")
     for n in shown:
-        lease = f"{n['leaseRemainingSeconds']:.1f}s" if n["state"] in ("alive", "draining") else "-"
+        lease = f"{n['leaseRemainingSeconds']:.1f}s" if n["state"] in LIVE else "-"
         click.echo(f"{n['nodeID']:<16} {n['state']:<9} {n['incarnation']:>4} {lease:>8}  "
                    f"{n['metrics'].get('sandboxes', '-')!s:>9}  {n['address']}")
 

@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection, CursorResult, Engine
 
 BEGIN_RETRY_S = 0.002  # the first wait for another process's write lock; doubled up to BEGIN_RETRY_MAX_S
 BEGIN_RETRY_MAX_S = 0.05
-READERS = 8  # reader connections kept; more are opened (never waited for) when more read at once
+READERS = 8  # idle reader connections kept; more are opened (never waited for) when more read at once
 
 T = TypeVar("T")
 
@@ -113,16 +113,12 @@ class InlineSQLite:
             return conn
 
         # The driver's own BEGIN handling is off (isolation_level=None): SQLAlchemy's begin is bookkeeping only,
-        # and transactions begin with the statement written out below.
-        self.writer = create_engine("sqlite://", creator=connect, poolclass=pool.QueuePool, pool_size=1,
-                                    max_overflow=0, pool_reset_on_return=None)
-        self.reader = create_engine("sqlite://", creator=connect, poolclass=pool.QueuePool, pool_size=READERS,
-                                    max_overflow=-1, pool_reset_on_return=None)
-        for engine in (self.writer, self.reader):
-            prepare(engine)
+        # and transactions begin with the statement written out below. No pool of SQLAlchemy's: the connections
+        # kept between transactions (making one costs more than a short transaction) are kept below, whole.
+        self.engine = create_engine("sqlite://", creator=connect, poolclass=pool.NullPool)
+        prepare(self.engine)
         self._write = asyncio.Lock()  # writers of this process queue here, never on SQLite's lock
-        # SQLAlchemy connections kept between transactions (making one costs more than a short transaction): the
-        # writer's, and idle readers'. All on the loop's thread, so a list is enough.
+        # The writer's connection and idle readers'; all on the loop's thread, so a list is enough.
         self._writer_conn: Connection | None = None
         self._idle_readers: list[Connection] = []
 
@@ -138,7 +134,7 @@ class InlineSQLite:
         else:
             await self._write.acquire()  # free: taken without suspending
         try:
-            conn, self._writer_conn = self._writer_conn or self.writer.connect(), None
+            conn, self._writer_conn = self._writer_conn or self.engine.connect(), None
             try:
                 await self._begin_immediate(conn)
                 with _ending(conn):
@@ -152,7 +148,7 @@ class InlineSQLite:
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[InlineConnection]:
-        conn = self._idle_readers.pop() if self._idle_readers else self.reader.connect()
+        conn = self._idle_readers.pop() if self._idle_readers else self.engine.connect()
         try:
             raw = conn.connection.dbapi_connection
             assert raw is not None
@@ -189,8 +185,7 @@ class InlineSQLite:
         for conn in [*self._idle_readers, *([self._writer_conn] if self._writer_conn is not None else [])]:
             conn.close()
         self._idle_readers, self._writer_conn = [], None
-        self.writer.dispose()
-        self.reader.dispose()
+        self.engine.dispose()
 
 
 class _ending:

@@ -465,11 +465,8 @@ class Ledger:
 
     async def existing_budgets(self, scopes: Sequence[tuple[str, str]]) -> builtins.list[tuple[str, str]]:
         """The scopes of `scopes` that have a budget, in their order, in one read."""
-        if not scopes:
-            return []
         async with self.db.read() as conn:
-            found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))}
-        return [s for s in scopes if s in found]
+            return await _existing_budgets(conn, scopes)
 
     async def call_and_budgets(self, call_key: str,
                                scopes: Sequence[tuple[str, str]]) -> tuple[Call | None, builtins.list[tuple[str, str]]]:
@@ -477,8 +474,7 @@ class Ledger:
         upstream."""
         async with self.db.read() as conn:
             row = (await conn.execute(_CALL, {"call_key": call_key})).first()
-            found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))} if scopes else set()
-        return (_call(row) if row else None), [s for s in scopes if s in found]
+            return (_call(row) if row else None), await _existing_budgets(conn, scopes)
 
     async def budgets(self) -> builtins.list[dict[str, Any]]:
         async with self.db.read() as conn:
@@ -513,6 +509,13 @@ async def _insert_entry(conn: Conn, kind: str, outcome: str, a: Attempt, http_st
         "upstream_request_id": request_id, "original_entry_id": original, "started_at": a.started_at,
         "finished_at": now})
     return int(done.scalar_one())
+
+
+async def _existing_budgets(conn: Conn, scopes: Sequence[tuple[str, str]]) -> builtins.list[tuple[str, str]]:
+    if not scopes:
+        return []
+    found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))}
+    return [s for s in scopes if s in found]
 
 
 def _budgets_of(scopes: Sequence[tuple[str, str]]) -> tuple[sa.Select[Any], dict[str, str]]:

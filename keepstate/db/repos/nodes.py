@@ -109,9 +109,14 @@ class Nodes:
 
     async def list(self) -> builtins.list[NodeRecord]:
         """Every node but the removed ones, by name."""
+        return (await self.shown())[0]
+
+    async def shown(self) -> tuple[builtins.list[NodeRecord], float]:
+        """`list()` and the database's `now()` in one read: what `GET /nodes` and `keepstate nodes ls` show."""
         async with self.db.read() as conn:
             rows = await conn.execute(sa.select(nodes).where(_c.state != "removed").order_by(_c.node_id))
-            return [_record(r) for r in rows]
+            found = [_record(r) for r in rows]
+            return found, float((await conn.execute(sa.select(db_now(self.db.kind)))).scalar_one())
 
     async def expire(self, grace_s: float, max_dead_fraction: float = 0.5,
                      spare: str | None = None) -> builtins.list[NodeRecord]:
