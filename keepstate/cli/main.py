@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tls": ("keepstate.cli.tls:tls", "The router's TLS CA: where it is and how to trust it."),
     "db": ("keepstate.cli.db:db", "The database: its revision, upgrade, and import of an older release's files."),
     "nodes": ("keepstate.cli.nodes:nodes", "List, drain and remove the nodes of a cluster."),
+    "deploy": ("keepstate.cli.deploy:deploy", "Print a systemd unit or Kubernetes manifest for a cluster node."),
 }
 
 
