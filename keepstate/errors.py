@@ -72,6 +72,18 @@ class Unavailable(KeepStateError):
     status = 503
 
 
+class Full(Unavailable):
+    """A limit of places is reached: an immediate retry is refused again; one after `retry_after` may find one (a
+    sandbox ended meanwhile)."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "false", "Retry-After": str(self.retry_after)}
+
+
 class Busy(Unavailable):
     def __init__(self, message: str, *, retry_after: int) -> None:
         super().__init__(message)

@@ -13,9 +13,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -36,9 +37,13 @@ from keepstate.errors import Busy, KeepStateError, NotFound, Unauthorized
 from keepstate.ports import AGENT_PORT, API_PORT, GATEWAY_PORT
 from keepstate.runtime.base import Runtime
 from keepstate.sandbox import loops as sandbox_loops
+from keepstate.sandbox import recovery
 from keepstate.sandbox.admission import AdmissionConfig
+from keepstate.sandbox.creates import MAX_TIMEOUT
 from keepstate.sandbox.durable import Durability
+from keepstate.sandbox.fencing import FenceHold
 from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.retention import RETENTION_EVERY, Retention
 from keepstate.sandbox.templates import BuiltTemplates, Templates
 from keepstate.secret import SecretStore
 from keepstate.secret.crypto import KEY_FILE, Sealer
@@ -52,8 +57,9 @@ from . import secrets as secret_routes
 from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, SECRETS, VOLUMES
-from .relay import RELAYED, Relay
+from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, RETENTION, SECRETS, TIMEOUT_LIMIT, VOLUMES
+from .placement import Placer, is_create
+from .relay import RELAY, RELAYED, Relay
 from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import Spec, validating_middleware
 
@@ -91,7 +97,15 @@ class ServerConfig:
     db_url: str | None = None  # --db; None: $KEEPSTATE_DB, else sqlite under home (docs/design/database.md)
     node: str | None = None  # --node: this server is a node of a cluster (docs/design/cluster.md); None: "local"
     advertise: str | None = None  # --advertise: the URL other nodes reach it on; default http://<listen>
+    checkpoint_every: int = 0  # --checkpoint-every: the server's checkpoint policy for running sandboxes (0: none)
     lease: tuple[float, float, float] = (TTL_S, RENEW_S, FENCE_MARGIN_S)  # the node's lease: TTL, renewal, margin
+    # Lifetimes (docs/design/cluster.md, "Lifetimes and retention"). --max-timeout: the longest timeout a create,
+    # connect, resume, fork or set-timeout may ask, seconds (E2B's Pro plan: 24 h; 0: no limit). --paused-retention:
+    # seconds a sandbox stays paused before it and its pause checkpoints are deleted (None: kept forever), looked at
+    # every `retention_every` seconds.
+    max_timeout: int = MAX_TIMEOUT
+    paused_retention: float | None = None
+    retention_every: float = RETENTION_EVERY
     # --on-stop: "keep" (sandboxes run on; the next start re-adopts them) or "pause" (each running sandbox paused to
     # the store and its standby released before the node leaves: another node resumes it); None: "pause" for a
     # node of a cluster, else "keep"
@@ -201,17 +215,37 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                              boot_images=config.boot_images, freeze_idle_after=config.freeze_idle_after,
                              secrets=secret_store,
                              egress=Egress(config.home, config.egress, datapath=config.runtime != "fake",
-                                           secret_value=secret_store.value))
+                                           secret_value=secret_store.value),
+                             checkpoint_every=config.checkpoint_every)
     router = Router(manager)
+    hold = FenceHold(manager)
+    held: set[asyncio.Task[None]] = set()
+
+    def in_order(step: Coroutine[Any, Any, None]) -> None:  # FenceHold's lock keeps holds and releases in order
+        task = asyncio.get_running_loop().create_task(step)
+        held.add(task)
+        task.add_done_callback(held.discard)
+
+    async def lost() -> None:
+        await hold.reconcile()
+
     membership = Membership(
         Nodes(db), this_node(config, runtime, node_id), fencing=config.node is not None, ttl_s=config.lease[0],
         renew_s=config.lease[1], fence_margin_s=config.lease[2],
-        metrics=lambda: {"sandboxes": len(manager.listed()), "teardowns": manager.teardowns_pending()})
+        metrics=lambda: {"sandboxes": len(manager.listed()), "teardowns": manager.teardowns_pending()},
+        on_fence=lambda why: in_order(hold.hold()), on_unfence=lambda: in_order(hold.release()), on_lost=lost)
+    if gateway is not None:  # its calls in flight are this node's incarnation's, judged by every node's gateway
+        gateway.attach_node(node_id, lambda: membership.incarnation)
+    if config.node is not None:  # a node writes a session's history only while it holds the sandbox's epoch
+        history.fence = lambda session_id: fence_of(manager, session_id)
     manager.refusing = lambda: (f"node {node_id} is draining: it takes no new sandboxes (create through another node)"
                                 if membership.state == "draining" else None)
     keys = KeyCache(Keys(db))
     relay = Relay(db, node_id)
+    placer = Placer(db, node_id, manager.places.room) if config.node is not None else None  # one host: its own
     template_builds = TemplateBuilds(manager, db, config.home)
+    retention = Retention(manager, config.paused_retention, config.retention_every)  # sandbox/retention.py
+    retention.serving = lambda: membership.fenced is None
 
     async def to_router(request: web.Request) -> web.StreamResponse:
         target = target_of(request)
@@ -229,9 +263,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                                "sandboxes again once it renews its lease", retry_after=2))
         if is_data_plane(request):
             target = target_of(request)
-            if target is not None and manager.table.find(target[0]) is None \
-                    and (relayed := await relay_to_owner(request, target[0])) is not None:
+            if target is not None and (relayed := await relay_to_owner(request, target[0])) is not None:
                 return relayed
+            if target is not None and config.node is not None and manager.table.find(target[0]) is None:
+                await recovery.on_request(manager, target[0])  # a gone node's: taken over here (sandbox/recovery.py)
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
         # A build context's upload URL carries its own signature (builds/uploads.py): the SDK sends no API key.
@@ -241,27 +276,36 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                 request[API_KEY_ID] = await keys.check(request.headers.get("X-API-KEY"))
             except KeepStateError as exc:
                 return control.error_response(exc)
+        if placer is not None and is_create(request) and (placed := await placer.place(request)) is not None:
+            return placed
         sandbox_id = request.match_info.get("sandbox_id")
         if sandbox_id is not None and not request.path.endswith(HISTORY_PATHS) \
-                and manager.table.find(sandbox_id := control.sid(request)) is None \
-                and (relayed := await relay_to_owner(request, sandbox_id)) is not None:
+                and (relayed := await relay_to_owner(request, control.sid(request))) is not None:
             return relayed
         return await errors_as_json(request, handler)
 
     async def relay_to_owner(request: web.Request, sandbox_id: str) -> web.StreamResponse | None:
         """The owner's answer if another live node holds the sandbox (api/relay.py); None: this node answers."""
+        held = manager.table.find(sandbox_id) is not None
         if RELAYED in request.headers:
-            # Relayed here by a node that believed this one holds it: if it does not, say so before any body is read.
-            return web.json_response({"code": 421, "message": f"node {node_id} does not hold sandbox {sandbox_id}"},
-                                     status=421)
+            # Relayed here by a node that believed this one holds it (at the epoch it sends): if it does not, say so
+            # before any body is read. One handed to this node by a draining one is loaded from its row first.
+            if not held and config.node is not None:
+                held = await recovery.load_own(manager, sandbox_id)
+            seen = manager.rows.seen(sandbox_id)
+            return relay.refusal(request, sandbox_id, held, seen[1] if seen is not None else None)
+        if held:
+            return None
         for last in (False, True):
             try:
                 owner = await relay.owner(sandbox_id)
             except KeepStateError:  # the database is away: this node answers what it can
                 return None
-            if owner is None:
+            if owner is None:  # this node's (loaded if a draining node handed it here), a gone node's, or none
+                if config.node is not None:
+                    await recovery.load_own(manager, sandbox_id)
                 return None
-            answer = await relay.forward(request, *owner, last=last)
+            answer = await relay.forward(request, owner, last=last)
             if answer is not None:
                 return answer
             relay.forget(sandbox_id)  # misdirected: it moved since it was looked up
@@ -274,12 +318,15 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
     app[DATABASE] = db
+    app[RELAY] = relay
     app[nodes_api.MEMBERSHIP] = membership
     app[ENVD_VERSION] = envd_version
     app[VOLUMES] = volumes
     app[SECRETS] = secret_store
     app[build_routes.BUILDS] = template_builds
     app[DOMAIN] = config.domain or f"localhost:{config.port}"
+    app[TIMEOUT_LIMIT] = config.max_timeout
+    app[RETENTION] = retention
     app[events.EVENTS] = event_log
     app[events.LINEAGE] = lineage
     # First: `DELETE /templates/{id}` deletes a built template, else hands over to control's snapshot delete, and
@@ -302,6 +349,11 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         await db_setup.upgrade(db, config.home, node_id)  # first: everything below reads it
         await membership.join()
         membership_task.append(asyncio.get_running_loop().create_task(membership.run(), name="membership"))
+        if config.node is not None:
+            membership_task.append(asyncio.get_running_loop().create_task(recovery.lost_loop(
+                manager, config.lease[1], lambda: membership.fenced is None and membership.state == "alive",
+                draining=lambda: membership.fenced is None and membership.state == "draining"),
+                name="lost-sandboxes"))
         await secret_store.check_key()
         await template_builds.recover()
         await poller.start()
@@ -317,8 +369,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             await gateway.start()
         await volumes.mount_all()  # before adoption: sandboxes mount them
         await manager.start(open_ports=open_ports, warm=config.warm_templates)
+        retention.start()  # with --paused-retention only
 
     async def on_cleanup(app: web.Application) -> None:
+        await retention.stop()
         if (config.on_stop or ("pause" if config.node else "keep")) == "pause" and membership.fenced is None:
             await sandbox_loops.pause_all(manager, "the node stops (--on-stop pause)")
         await poller.stop()  # first: its pulls go through the manager's AgentClient
@@ -334,6 +388,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             await gateway.close()
         await router.stop()
         await relay.close()
+        if placer is not None:
+            await placer.close()
         durable.close()
         for task in membership_task:
             task.cancel()
@@ -351,6 +407,13 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 HISTORY_PATHS = ("/events", "/lineage")
 # Answered by a fenced node too: its health, and who is in the cluster.
 UNFENCED = ("/health", "/nodes")
+
+
+def fence_of(manager: SandboxManager, session_id: str) -> tuple[str, str, int] | None:
+    """The claim this node writes a session's history under: its sandbox's row at the epoch this node holds."""
+    row = manager.table.find(session_id)
+    seen = manager.rows.seen(session_id) if row is not None and row.session_id == session_id else None
+    return (session_id, manager.rows.node_id, seen[1]) if seen is not None else None
 
 
 def this_node(config: ServerConfig, runtime: Runtime, node_id: str) -> NodeRecord:

@@ -10,11 +10,11 @@ from typing import Any
 from aiohttp import web
 
 from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
-from keepstate.sandbox.manager import SandboxManager
+from keepstate.sandbox.manager import MAX_TIMEOUT, SandboxManager
 from keepstate.sandbox.state import PUBLIC, State
 
 from . import schemas
-from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER
+from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER, TIMEOUT_LIMIT
 from .spec import Spec
 
 routes = web.RouteTableDef()
@@ -33,6 +33,11 @@ def envd_version(request: web.Request) -> str:
 
 def domain(request: web.Request) -> str | None:
     return request.app.get(DOMAIN)
+
+
+def timeout_limit(request: web.Request) -> int:
+    """The longest timeout a create, connect, resume, fork or set-timeout may ask (`serve --max-timeout`; 0: none)."""
+    return request.app.get(TIMEOUT_LIMIT, MAX_TIMEOUT)
 
 
 async def json_body(request: web.Request, required: bool = True) -> Any:
@@ -87,7 +92,7 @@ async def health(request: web.Request) -> web.Response:
 @routes.post("/v2/sandboxes")
 @routes.post("/sandboxes")
 async def create(request: web.Request) -> web.Response:
-    req = schemas.parse_create(await json_body(request))
+    req = schemas.parse_create(await json_body(request), timeout_limit(request))
     row = await manager(request).create(req, request.get(API_KEY_ID))
     return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)
 
@@ -96,7 +101,7 @@ async def create(request: web.Request) -> web.Response:
 @routes.post("/sandboxes/{sandbox_id}/connect")
 async def connect(request: web.Request) -> web.Response:
     body = await json_body(request, required=False)
-    timeout = schemas.parse_timeout_body(body, required=False)
+    timeout = schemas.parse_timeout_body(body, required=False, limit=timeout_limit(request))
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
     if isinstance(body, dict) and body.get("memory", True) is not True:
@@ -143,7 +148,7 @@ def refuse_reboot(request: web.Request) -> None:
 @routes.post("/sandboxes/{sandbox_id}/resume")
 async def resume(request: web.Request) -> web.Response:
     """E2B's older resume: a paused sandbox only (a running one is a 409, unlike connect)."""
-    timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request))
+    timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request), timeout_limit(request))
     if not memory:
         refuse_reboot(request)
     try:
@@ -173,7 +178,7 @@ async def kill(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/timeout")
 async def set_timeout(request: web.Request) -> web.Response:
-    seconds = schemas.parse_timeout_body(await json_body(request), required=True)
+    seconds = schemas.parse_timeout_body(await json_body(request), required=True, limit=timeout_limit(request))
     await manager(request).set_timeout(sid(request), seconds)
     return web.Response(status=204)
 
@@ -276,7 +281,7 @@ async def delete_snapshot(request: web.Request) -> web.Response:
 @routes.post("/sandboxes/{sandbox_id}/fork")
 async def fork(request: web.Request) -> web.Response:
     body = await object_body(request)
-    count, timeout = schemas.parse_fork_body(body)
+    count, timeout = schemas.parse_fork_body(body, timeout_limit(request))
     if not schemas.parse_fork_memory(body):
         refuse_without_memory(request, "a fork")
     results = await manager(request).fork(sid(request), count, timeout)

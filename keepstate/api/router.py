@@ -20,7 +20,7 @@ import re
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -33,12 +33,15 @@ from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.upstream import Connection, UpstreamError
 
 from .inbound import TOKEN_HEADER, Inbound
+from .relay import pipe
 
 if TYPE_CHECKING:
     from aiohttp.web_urldispatcher import _InfoDict  # AbstractResource.get_info's type
 
+# The cluster's own hop headers (api/relay.py) are the nodes', never the sandbox's.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-        "transfer-encoding", "upgrade", "host", "content-length", TOKEN_HEADER}
+        "transfer-encoding", "upgrade", "host", "content-length", TOKEN_HEADER, "x-keepstate-relayed",
+        "x-keepstate-epoch"}
 # Not relayed to the sandbox either: `expect` (the server has answered a 100-continue already).
 _HOP_RAW = {h.encode() for h in _HOP} | {b"expect"}
 _DEFAULT_PORT = {"http": 80, "https": 443}
@@ -406,26 +409,12 @@ class Router:
             return web.json_response({"code": exc.status, "message": f"websocket refused: {exc.message}"},
                                      status=exc.status if 400 <= exc.status < 600 else 502)
         ws = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else ())
-        await ws.prepare(request)
-
-        async def pump(src: Any, dst: Any) -> None:
-            async for msg in src:
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    await dst.send_str(msg.data)
-                elif msg.type == aiohttp.WSMsgType.BINARY:
-                    await dst.send_bytes(msg.data)
-                else:
-                    break
-            await dst.close()
-
-        tasks = [asyncio.ensure_future(pump(ws, upstream)), asyncio.ensure_future(pump(upstream, ws))]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
+            await ws.prepare(request)
+        except BaseException:
             await upstream.close()
-            await ws.close()
+            raise
+        await pipe(ws, upstream)  # both ways, a close's code and reason included, until both ends are closed
         return ws
 
 

@@ -19,7 +19,7 @@ from keepstate.clock import rfc3339
 from keepstate.egress import policy
 from keepstate.errors import BadRequest
 from keepstate.mountpoints import VOLUME_SLOTS
-from keepstate.sandbox.manager import DEFAULT_TIMEOUT, CreateRequest, check_timeout
+from keepstate.sandbox.manager import DEFAULT_TIMEOUT, MAX_TIMEOUT, CreateRequest, check_timeout
 from keepstate.sandbox.record import SandboxRow
 from keepstate.sandbox.state import PUBLIC
 
@@ -112,11 +112,12 @@ def _number(value: Any, name: str) -> float | int:
     return value
 
 
-def _seconds(value: Any, name: str = "timeout") -> int:
-    """A number of seconds (a fraction is truncated), at most 24 hours."""
+def _seconds(value: Any, name: str = "timeout", limit: int = MAX_TIMEOUT) -> int:
+    """A number of seconds (a fraction is truncated), at most `limit` (`serve --max-timeout`, 24 hours by default;
+    0: none)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise BadRequest(f"`{name}` must be a whole number of seconds")
-    return check_timeout(value, name)
+    return check_timeout(value, name, limit)
 
 
 def _str_map(body: dict[str, Any], key: str) -> dict[str, str]:
@@ -138,13 +139,13 @@ def _env_vars(body: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def parse_create(body: Any) -> CreateRequest:
+def parse_create(body: Any, limit: int = MAX_TIMEOUT) -> CreateRequest:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     template = body.get("templateID")
     if not isinstance(template, str) or not template.strip():
         raise BadRequest("`templateID` is required and must be a string")
-    timeout = _seconds(body.get("timeout", DEFAULT_TIMEOUT))
+    timeout = _seconds(body.get("timeout", DEFAULT_TIMEOUT), limit=limit)
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
     auto_pause = body.get("autoPause", False)
@@ -174,6 +175,9 @@ def parse_create(body: Any) -> CreateRequest:
     gateway = body.get("gateway", True)
     if not isinstance(gateway, bool):
         raise BadRequest("`gateway` must be a boolean")
+    every = body.get("checkpointEvery")
+    if every is not None and (_number(every, "checkpointEvery") != int(every) or not 0 <= every <= 86400):
+        raise BadRequest("`checkpointEvery` must be a whole number of seconds from 0 to 86400")
     auto_resume = parse_auto_resume(body.get("autoResume"))
     if auto_resume and not auto_pause:
         raise BadRequest("`autoResume` needs `autoPause: true` (lifecycle on_timeout \"pause\"): only a paused "
@@ -186,7 +190,7 @@ def parse_create(body: Any) -> CreateRequest:
         env_vars=_env_vars(body), auto_pause=auto_pause, cpu=cpu, memory_mb=mem, disk_mb=disk,
         auto_pause_memory=pause_memory, allow_internet_access=aia, gateway=gateway,
         volume_mounts=parse_volume_mounts(body.get("volumeMounts")),
-        network=network.to_json(), auto_resume=auto_resume,
+        network=network.to_json(), auto_resume=auto_resume, checkpoint_every=int(every or 0),
     )
 
 
@@ -249,7 +253,7 @@ def parse_volume_mounts(mounts: Any) -> list[tuple[str, str]]:
     return out
 
 
-def parse_timeout_body(body: Any, required: bool) -> int:
+def parse_timeout_body(body: Any, required: bool, limit: int = MAX_TIMEOUT) -> int:
     """`{"timeout": seconds}`. Required (set_timeout): 0 or less expires the sandbox now. Optional (connect, fork):
     absent means the default, and it must be positive."""
     if body is None or body == {}:
@@ -262,7 +266,7 @@ def parse_timeout_body(body: Any, required: bool) -> int:
         if required:
             raise BadRequest("`timeout` is required")
         return DEFAULT_TIMEOUT
-    seconds = _seconds(body["timeout"])
+    seconds = _seconds(body["timeout"], limit=limit)
     if not required and seconds <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
     return seconds
@@ -340,10 +344,10 @@ def parse_snapshot_body(body: dict[str, Any]) -> tuple[str | None, bool]:
     return name, _memory(body)
 
 
-def parse_fork_body(body: dict[str, Any]) -> tuple[int, int]:
+def parse_fork_body(body: dict[str, Any], limit: int = MAX_TIMEOUT) -> tuple[int, int]:
     """`{"count"?: 1..20, "timeout"?: seconds}` of a fork: (count, timeout)."""
     count = _whole(body.get("count", 1), 1, MAX_FORKS, f"`count` must be a whole number from 1 to {MAX_FORKS}")
-    return count, parse_timeout_body(body, required=False)
+    return count, parse_timeout_body(body, required=False, limit=limit)
 
 
 def parse_fork_memory(body: dict[str, Any]) -> bool:
@@ -362,10 +366,10 @@ def parse_refresh_body(body: dict[str, Any]) -> int:
                   f"`duration` must be a whole number of seconds from 0 to {REFRESH_MAX}")
 
 
-def parse_resume_body(body: dict[str, Any]) -> tuple[int, bool | None, bool]:
+def parse_resume_body(body: dict[str, Any], limit: int = MAX_TIMEOUT) -> tuple[int, bool | None, bool]:
     """`{"timeout"?: seconds (15), "autoPause"?: bool, "memory"?: bool}` of E2B's older resume:
     (timeout, auto_pause or None when absent, memory)."""
-    timeout = parse_timeout_body(body, required=False) if "timeout" in body else RESUME_DEFAULT_TIMEOUT
+    timeout = parse_timeout_body(body, required=False, limit=limit) if "timeout" in body else RESUME_DEFAULT_TIMEOUT
     auto_pause = body.get("autoPause")
     if auto_pause is not None and not isinstance(auto_pause, bool):
         raise BadRequest("`autoPause` must be a boolean")

@@ -18,6 +18,7 @@ from keepstate.ports import API_PORT, GATEWAY_PORT
 from .common import EXIT_USAGE, Command, home_option
 from .database import db_option
 from .egress_options import egress_options
+from .lifetime_options import lifetime_options
 from .registry_options import registry_options
 
 if TYPE_CHECKING:
@@ -116,8 +117,18 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
               help="What a stop (SIGTERM) does with running sandboxes: `keep` them running for the next start to "
                    "adopt, or `pause` each to the store (its standby released) so that another node can resume it. "
                    "Default: pause for a node of a cluster (--node), else keep.")
+@click.option("--lease-ttl", type=click.FloatRange(min=1.0), default=None, envvar="KEEPSTATE_LEASE_TTL",
+              help="A node's lease, seconds (default 10): renewed every fifth of it, fenced a fifth before it ends, "
+                   "declared dead a whole lease after. Shorter moves a dead node's sessions sooner and puts more "
+                   "load on the database. KEEPSTATE_LEASE_TTL too.")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              envvar="KEEPSTATE_CHECKPOINT_EVERY",
+              help="Checkpoint every running sandbox this often (seconds, incrementally; 0: never), so that one "
+                   "whose node is lost resumes elsewhere from its latest checkpoint (docs/design/cluster.md). A "
+                   "create's `checkpointEvery` overrides it. KEEPSTATE_CHECKPOINT_EVERY too.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@lifetime_options
 @egress_options
 @registry_options
 @home_option
@@ -130,7 +141,8 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
           max_sandboxes: int | None, max_sandboxes_per_key: int, boot_images: bool, domain: str | None,
           tls_cert: str | None, tls_key: str | None, tls_self_signed: bool, tls_listen: str | None,
           reap_on_exit: bool, runtime_kind: str, secrets_key_file: str | None, node: str | None,
-          advertise: str | None, on_stop: str | None, log_level: str, egress: EgressConfig) -> None:
+          advertise: str | None, on_stop: str | None, lease_ttl: float | None, checkpoint_every: int, log_level: str,
+          egress: EgressConfig, max_timeout: int, paused_retention: float | None) -> None:
     """Run the E2B-compatible API and the data-plane router.
 
     \b
@@ -143,6 +155,7 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
     """
     from keepstate.api import listeners
     from keepstate.api.app import ServerConfig, create_app
+    from keepstate.cluster.membership import FENCE_MARGIN_S, RENEW_S, TTL_S
     from keepstate.sandbox.admission import AdmissionConfig
     from keepstate.secret.crypto import KEY_FILE, load_key
     from keepstate.template import builder
@@ -177,11 +190,14 @@ def serve(listen: str, pool_size: int, template_pool_size: int, warm: str, store
                           disk_mb=disk_mb, runtime=runtime_kind, volume_size_mb=volume_size_mb,
                           volume_backend=volume_backend, boot_images=boot_images, domain=domain,
                           secrets_key=secrets_key, db_url=db_url, node=node, on_stop=on_stop,
+                          checkpoint_every=checkpoint_every,
+                          lease=(lease_ttl, lease_ttl / 5, lease_ttl / 5) if lease_ttl else (TTL_S, RENEW_S,
+                                                                                             FENCE_MARGIN_S),
                           advertise=advertise.rstrip("/") if advertise else None,
                           admission=AdmissionConfig(max_starts=max_starts, start_queue=start_queue,
                                                     start_wait=start_wait, max_sandboxes=max_sandboxes,
                                                     max_sandboxes_per_key=max_sandboxes_per_key),
-                          egress=egress)
+                          egress=egress, max_timeout=max_timeout, paused_retention=paused_retention)
     try:
         import uvloop
 

@@ -17,7 +17,8 @@ new incarnation.
 
 Any node reaps: each round, once it has been connected for 2 TTL (so that a database that was away, and restarted
 with every lease looking expired, declares nobody dead at once), it asks the repository to declare dead the nodes
-whose lease expired more than a TTL ago, and tells `on_dead`.
+whose lease expired more than FENCE_MARGIN_S ago, and tells `on_dead`. The dead node fenced itself at least
+FENCE_MARGIN_S before its lease expired: by then it has been still for twice that margin.
 
 Without `fencing` (a single server, `--node` not given) the lease is kept and shown, and nothing is ever fenced: a
 database that goes away then only makes calls that need it answer 503.
@@ -133,7 +134,7 @@ class Membership:
 
     async def reap_once(self) -> list[NodeRecord]:
         try:
-            dead = await self.nodes.expire(self.ttl_s, MAX_DEAD_FRACTION, spare=self.me.node_id)
+            dead = await self.nodes.expire(self.fence_margin_s, MAX_DEAD_FRACTION, spare=self.me.node_id)
         except DatabaseUnavailable as exc:
             log.debug("reaping: %s", exc)
             return []

@@ -44,6 +44,19 @@ class SandboxRecord:
     node_id: str  # the node whose server owns the row ("local" on one host)
     epoch: int = 0  # the fencing token: moves when the row is handed to another owner (issue 27)
     version: int = 0  # moves on every write; every write is conditioned on it
+    # When it was paused, by the database's clock (None: not paused); kept by the repository, not by its writers.
+    paused_at: float | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseRecord:
+    """A named lease (`leases`): who holds it ('' once released), the token its latest acquisition got (it moves at
+    every acquisition: a fencing token) and when it expires by the database's clock."""
+
+    name: str
+    holder: str
+    token: int
+    expires_at: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +92,16 @@ class NodeRecord:
     metrics: str = "{}"  # JSON, sent with each renewal
     joined_at: float = 0.0
     lease_expires_at: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeLoad:
+    """A live node as placement sees it: its record and what its sandboxes hold (rows of holding states)."""
+
+    node: NodeRecord
+    sandboxes: int
+    cpu: float
+    memory_mb: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

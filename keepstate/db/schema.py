@@ -77,6 +77,7 @@ sandboxes = sa.Table(
     _text("node_id"),  # the node whose server owns the row ("local" on one host)
     sa.Column("epoch", sa.BigInteger(), nullable=False, server_default=sa.text("0")),  # fencing token (issue 27)
     sa.Column("version", sa.BigInteger(), nullable=False, server_default=sa.text("0")),  # optimistic concurrency
+    _time("paused_at", nullable=True),  # when it was paused, by the database's clock (0003; the repository keeps it)
     sa.Index("sandboxes_state", "state"),
     sa.Index("sandboxes_node_state", "node_id", "state"),
 )
@@ -109,6 +110,15 @@ nodes = sa.Table(
     _text("metrics", server_default=sa.text("'{}'")),  # JSON, sent with each renewal
     _time("joined_at"),
     _time("lease_expires_at"),  # the database's clock
+)
+
+# -- leases (revision 0003; docs/design/cluster.md, "Lifetimes and retention") --------------------------------------
+leases = sa.Table(  # a named lease one holder at a time has, judged by the database's clock (`store-gc`)
+    "leases", metadata,
+    _text("name", primary_key=True),
+    _text("holder"),  # who holds it; '' once released
+    sa.Column("token", sa.BigInteger(), nullable=False),  # moves at every acquisition: a fencing token
+    _time("expires_at"),  # the database's clock
 )
 
 # -- snapshots ------------------------------------------------------------------------------------------------------

@@ -120,7 +120,9 @@ class UpstreamCall:
                 outcome = "broken"
         except BaseException:
             # Cancellation only happens at gateway shutdown: the call stays `inflight` and is recovered as
-            # interrupted by the next gateway that starts.
+            # interrupted by the next gateway that starts, or taken over by the one its retry reaches.
+            if call.status is None:
+                call.error = errors.stopping()
             call.broken = call.finished = True
             call.notify()
             raise

@@ -68,7 +68,15 @@ def over_budget(scope: str, ident: str) -> GatewayError:
 
 
 def in_progress_elsewhere() -> GatewayError:
-    return GatewayError(409, "conflict", "This call is in progress in another gateway process; retry shortly.")
+    return GatewayError(409, "conflict", "This call is in progress in another gateway process or node; retry "
+                        "shortly.")
+
+
+def stopping() -> GatewayError:
+    """The gateway stopped before the provider answered: the call stays in flight under this gateway's name, and is
+    taken over by the gateway that its retry reaches once this one is gone."""
+    return GatewayError(503, "unavailable", "The gateway stopped before the provider answered; retry.",
+                        headers={"retry-after": "1", "x-should-retry": "true"})
 
 
 def not_bound_yet(peer: str) -> GatewayError:

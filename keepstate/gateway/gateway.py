@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from keepstate.gateway import budget, callkey, errors, marks, providers
 from keepstate.gateway.calls import InflightCall, UpstreamCall, now, stored_chunks
 from keepstate.gateway.config import GatewayConfig, ProviderConfig, ProviderKind
 from keepstate.gateway.errors import GatewayError
-from keepstate.gateway.owners import owner_alive, process_owner
+from keepstate.gateway.owners import Owners
 from keepstate.gateway.prices import NANO_PER_USD, PriceTable
 
 log = logging.getLogger("keepstate.gateway")
@@ -110,8 +111,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, db: Database) -> None:
         self.config = config
-        self.owner = process_owner()  # what this process writes on the calls it has in flight
-        self.ledger = Ledger(db, self.owner)
+        self.owners = Owners()  # what this gateway writes on the calls it has in flight (owners.py)
+        self.ledger = Ledger(db, self.owners.process)
         self.prices = PriceTable.load(config.price_table)
         # Decisions (begin) are taken one at a time, so that ordinals follow arrival order and a call in flight is
         # seen by the next request for it: the lock covers the database awaits between the checks and the claim.
@@ -125,6 +126,17 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
+
+    def attach_node(self, node_id: str, incarnation: Callable[[], int]) -> None:
+        """This gateway is the one of node `node_id` of a `keepstate serve` (before `start`): the calls it claims
+        are its node's current incarnation's, judged alive or gone by the shared `nodes` table on every node, so
+        that a call whose node died is taken over by one other node, once (docs/design/cluster.md)."""
+        self.owners.attach(node_id, incarnation)
+
+    @property
+    def owner(self) -> str:
+        """What the calls this gateway claims now carry."""
+        return self.owners.current()
 
     async def start(self) -> None:
         """Set the configured budgets, recover the calls of dead gateways, and open the upstream client."""
@@ -343,15 +355,16 @@ class Gateway:
                 chunks=stored_chunks(stored.endpoint, stored.stream, stored.response, hide),
                 request_id=stored.upstream_request_id, run_id=run.run_id, ordinal=ordinal, delivers=delivers,
             )
-        if stored is not None and stored.status == "inflight" and stored.owner is not None:
-            if owner_alive(stored.owner, self.owner):
-                raise errors.in_progress_elsewhere()
-            await self._recover()
+        if stored is not None and stored.status == "inflight" and stored.owner is not None \
+                and not await self.ledger.owner_gone(stored.owner, self.owners.alive):
+            # In flight under a live owner: another process, or another node (it stores the answer; the retry
+            # that comes after finds it). Its owner gone, the claim below takes the call over, once.
+            raise errors.in_progress_elsewhere()
         return await self._go_upstream(req, attempt, provider, digest, ordinal, delivers, applicable)
 
     async def _recover(self) -> list[str]:
-        """Recover the calls in flight whose owning process died (as interrupted, billed once)."""
-        return await self.ledger.recover(lambda owner: owner_alive(owner, self.owner))
+        """Recover the calls in flight whose owner is gone (as interrupted, billed once)."""
+        return await self.ledger.recover(self.owners.alive)
 
     async def _resolve(self, state: _RunState, req: CallRequest, digest: str) -> tuple[str, int | None, int | None]:
         """The call key, the new ordinal (None for a retry, which takes none), and the position answered."""
@@ -422,8 +435,8 @@ class Gateway:
     ) -> Answer:
         """`applicable`: the budgets of the call's scopes that exist (read with the call's stored answer)."""
         run = attempt.run
-        if not applicable:
-            attempt = replace(attempt, reserved=False)  # nothing reserved: nothing to settle when it finishes
+        # Claimed by the owner this gateway is now, and finished by the same (a rejoin moves the node's on).
+        attempt = replace(attempt, owner=self.owners.current(), reserved=bool(applicable))
         amount, cap_field = 0, None
         if applicable:
             price = self.prices.price(attempt.model)
@@ -436,12 +449,16 @@ class Gateway:
         position = None if ordinal is None else Position(run_id=run.run_id, ordinal=ordinal, call_key=attempt.call_key,
                                                          body_hash=digest, source="upstream", delivered=False)
         try:
-            await self.ledger.begin_upstream(attempt, req.stream, digest, position, applicable, amount)
+            taken = await self.ledger.begin_upstream(attempt, req.stream, digest, position, applicable, amount,
+                                                     alive=self.owners.alive)
         except BudgetRefused as e:
             await self._add_position(run, ordinal, attempt.call_key, digest, "refused")
             raise errors.over_budget(e.scope, e.ident) from None
-        except CallInFlight:  # another gateway process claimed it since it was looked at
+        except CallInFlight:  # another gateway (process or node) claimed it since it was looked at
             raise errors.in_progress_elsewhere() from None
+        if taken is not None:
+            log.warning("call %s: its owner %s is gone; interrupted and taken over by %s", attempt.call_key, taken,
+                        attempt.owner)
         upstream = providers.build(provider, req.endpoint, req.body, req.raw, req.headers, req.stream, cap_field,
                                    self.config.default_max_output_tokens)
         live = InflightCall(attempt.call_key, req.endpoint, req.stream)

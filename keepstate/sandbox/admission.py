@@ -25,11 +25,12 @@ from keepstate.config import (
     default_max_starts,
     default_start_queue,
 )
-from keepstate.errors import Busy, TooMany, Unavailable
+from keepstate.errors import Busy, Full, TooMany, Unavailable
 
 RECENT_STARTS = 20  # the start durations the Retry-After estimate averages
 FIRST_GUESS = 2.0  # seconds a start takes, until one has been measured
 MAX_RETRY_AFTER = 60
+FULL_RETRY_AFTER = 5  # a full host: about when a short-lived sandbox ends (no estimate is possible)
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,9 @@ class Places:
         """Refuse unless `host` more instances and `key` more running sandboxes of `key_id` fit."""
         if check_host and host and self.max_sandboxes and self.on_host() + host > self.max_sandboxes:
             more = f"{host} more" if host > 1 else "another"
-            raise Unavailable(f"this host holds its limit of {self.max_sandboxes} sandboxes (--max-sandboxes, "
-                              f"running, paused in memory and pre-started ones counted): {more} cannot start; "
-                              "kill some, or retry later")
+            raise Full(f"this host holds its limit of {self.max_sandboxes} sandboxes (--max-sandboxes, running, "
+                       f"paused in memory and pre-started ones counted): {more} cannot start; kill some, or retry "
+                       "later", retry_after=FULL_RETRY_AFTER)
         if key and key_id is not None:
             name, limit = self.limit_of(key_id)
             running = self.running_of(key_id)

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .manager import SandboxManager
 
 DEFAULT_TIMEOUT = 300
-MAX_TIMEOUT = 24 * 3600
+MAX_TIMEOUT = 24 * 3600  # E2B's Pro plan: `serve --max-timeout`'s default
+NO_LIMIT = 100 * 365 * 24 * 3600  # with `--max-timeout 0`: still a time an end can be written as (RFC 3339)
 TEMPLATE_POOL_IDLE = 900.0  # seconds without a create before a built template's pool is drained
 
 
@@ -58,16 +59,26 @@ class CreateRequest:
     volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, absolute path)
     network: dict[str, Any] = field(default_factory=dict)  # the create's policy, Policy.to_json() ({}: default)
     auto_resume: bool = False  # lifecycle autoResume: traffic to it while paused resumes it
+    checkpoint_every: int = 0  # our `checkpointEvery` (seconds; 0: the server's checkpoint policy)
 
 
-def check_timeout(value: Any, field_name: str = "timeout") -> int:
+def check_timeout(value: Any, field_name: str = "timeout", limit: int = MAX_TIMEOUT) -> int:
+    """A timeout in whole seconds (a fraction is truncated), at most `limit` (the server's `--max-timeout`; 0: none)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise BadRequest(f"`{field_name}` must be a whole number of seconds")
-    if value > MAX_TIMEOUT:
-        raise BadRequest("Timeout cannot be greater than 24 hours")
-    if value < -MAX_TIMEOUT:
+    bound = limit or NO_LIMIT
+    if value > bound:
+        raise BadRequest(timeout_too_long(bound))
+    if value < -bound:
         raise BadRequest(f"`{field_name}` must be a whole number of seconds")
     return int(value)
+
+
+def timeout_too_long(limit: int) -> str:
+    """E2B's words for a timeout over the limit ("Timeout cannot be greater than 24 hours": SDKs match them)."""
+    if limit % 3600 == 0:
+        return f"Timeout cannot be greater than {limit // 3600} hour{'s' if limit != 3600 else ''}"
+    return f"Timeout cannot be greater than {limit} seconds"
 
 
 @dataclass
@@ -184,7 +195,8 @@ class Creates:
                                     allow_internet_access=req.allow_internet_access, user=d.user, workdir=d.workdir,
                                     gateway=req.gateway, disk_mb=limits.disk_mb, volume_mounts=volume_mounts,
                                     network=dict(req.network), auto_resume=req.auto_resume,
-                                    traffic_token=traffic_token(req.network), starting_timeout=req.timeout)
+                                    traffic_token=traffic_token(req.network), starting_timeout=req.timeout,
+                                    checkpoint_every=req.checkpoint_every)
             try:
                 await m.instances.attach(row)
                 env = await m.gateway.env(row)
@@ -219,6 +231,7 @@ class Creates:
         settings.env_vars = {**settings.env_vars, **req.env_vars}
         settings.auto_pause = req.auto_pause
         settings.auto_resume, settings.starting_timeout = req.auto_resume, req.timeout
+        settings.checkpoint_every, settings.checkpoint_at = req.checkpoint_every, 0.0
         if req.network:  # the create's policy, else the snapshot's
             settings.network = dict(req.network)
         theirs = [(m_["name"], m_["path"]) for m_ in settings.volume_mounts]
@@ -273,6 +286,7 @@ class Creates:
             s.metadata = dict(req.metadata)
             s.env_vars = {**s.env_vars, **req.env_vars}
             s.auto_pause, s.auto_resume, s.starting_timeout = req.auto_pause, req.auto_resume, req.timeout
+            s.checkpoint_every, s.checkpoint_at = req.checkpoint_every, 0.0
             if req.network:
                 s.network = dict(req.network)
                 s.traffic_token = traffic_token(req.network)

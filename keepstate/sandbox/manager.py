@@ -35,7 +35,7 @@ from keepstate.store import Manifest
 from keepstate.template.builder import Built
 from keepstate.volume import Volumes
 
-from . import adopt, loops
+from . import adopt, loops, recovery
 from .admission import AdmissionConfig, Places
 from .agent_client import AgentClient, Quiesced, agent_url
 from .boot_images import BootImages
@@ -78,7 +78,7 @@ class SandboxManager:
                  standby_mb: int = 2048, disk_mb: int = DEFAULT_DISK_MB, volumes: Volumes | None = None,
                  admission: AdmissionConfig | None = None, boot_images: bool = True,
                  freeze_idle_after: float = DEFAULT_AFTER, secrets: SecretStore | None = None,
-                 egress: Egress | None = None, node_id: str = LOCAL_NODE) -> None:
+                 egress: Egress | None = None, node_id: str = LOCAL_NODE, checkpoint_every: int = 0) -> None:
         self.db = db
         self.home = home
         self.rows = SandboxRows(db, node_id)
@@ -118,6 +118,7 @@ class SandboxManager:
         if recorder.poller is not None:
             recorder.poller.fetch = self._journal_fetch
         self.idle = IdleFreezer(self, freeze_idle_after)  # docs/design/idle.md; 0 disables freezing
+        self.policy = recovery.CheckpointPolicy(self, checkpoint_every)
         # Built templates (builds/service.py) resolve here like snapshots: ref -> a Snapshot.
         self.template_resolver: Callable[[str], Awaitable[Snapshot | None]] | None = None
         self.refusing: Callable[[], str | None] = lambda: None  # why this node takes no creates now (a drain)
@@ -134,6 +135,7 @@ class SandboxManager:
         self._tasks.append(loop.create_task(loops.metrics_loop(self), name="metrics"))
         if self.idle.enabled:
             self._tasks.append(loop.create_task(self.idle.run(), name="idle-freezer"))
+        self._tasks.append(loop.create_task(self.policy.run(), name="checkpoint-policy"))
         for name in warm:
             with contextlib.suppress(Exception):
                 built = await asyncio.to_thread(self.templates.latest, name)
@@ -357,38 +359,7 @@ class SandboxManager:
         await self.table.save(row)
 
     async def _known(self, sandbox_id: str) -> None:
-        """Load a sandbox unknown here: a paused one of a node that is gone (taken over: docs/design/cluster.md), or
-        one whose pause checkpoint is in the (shared) store and that no database row names; NotFound if neither."""
-        if sandbox_id in self.table:
-            return
-        async with self.table.lock(sandbox_id):
-            if sandbox_id in self.table:
-                return
-            owner = await self.rows.owner(sandbox_id)
-            if owner is not None and owner != self.rows.node_id:
-                await self._take_over(sandbox_id, owner)
-                return
-            row = await asyncio.to_thread(self.checkpoints.paused_row, sandbox_id)
-            if row is None:
-                raise NotFound(f"sandbox \"{sandbox_id}\" not found")
-            await self.rows.put(row)
-            self.table.enter(row)
-            if await self.recorder.lineage.session(row.session_id) is None:  # this server's history lacks it
-                await self.recorder.lineage.record_session(row.session_id, row.template_id)
-
-    async def _take_over(self, sandbox_id: str, owner: str) -> None:
-        row = await self.rows.take_over(sandbox_id)
-        if row is None:
-            raise Conflict(f"sandbox {sandbox_id} is on node {owner}, which is live (or the sandbox is not paused): "
-                           "send its requests to that node")
-        row.runtime_name, row.slot, row.address = "", -1, ""
-        row.settings.standby = row.settings.retired = None  # the gone node's host's: its next start reaps them
-        self.table.enter(row)  # this node's now, in the database: held here whatever follows (a kill works)
-        if row.settings.checkpoint_id is None:
-            raise Conflict(f"sandbox {sandbox_id} of node {owner} has no checkpoint to resume from")
-        log.warning("took over paused sandbox %s from node %s, which is gone", sandbox_id, owner)
-        await self.recorder.record(row.session_id, "sandbox.node.moved",
-                                   {"from": owner, "to": self.rows.node_id, "checkpoint": row.settings.checkpoint_id})
+        await recovery.known(self, sandbox_id)  # a gone node's is taken over; one in the store loaded
 
     async def _admit_resume(self, row: SandboxRow) -> None:
         """A paused sandbox runs again: a place of its key's, and a new instance unless its standby thaws. Looked
@@ -495,14 +466,14 @@ class SandboxManager:
     async def _capture(self, step: Step, kind: str) -> Manifest:
         """A running sandbox's checkpoint (it runs on): its transition is CHECKPOINTING -> RUNNING."""
         manifest = await self.checkpoints.take(step.row, kind)
-        step.row.settings.checkpoint_id = manifest.checkpoint_id
+        step.row.settings.checkpoint_id, step.row.settings.checkpoint_at = manifest.checkpoint_id, time.time()
         return manifest
 
-    async def checkpoint(self, sandbox_id: str) -> str:
-        """A snapshot's checkpoint with no snapshot record: a template build's layers and templates, which the
-        build service names itself (docs/design/template-builds.md)."""
+    async def checkpoint(self, sandbox_id: str, kind: str = "snapshot") -> str:
+        """A checkpoint with no snapshot record: a template build's layers and templates, which the build service
+        names itself (docs/design/template-builds.md), or a checkpoint policy's (kind `policy`: recovery.py)."""
         async with self.table.command(sandbox_id, Command.CHECKPOINT) as step:
-            manifest = await self._capture(step, "snapshot")
+            manifest = await self._capture(step, kind)
         return manifest.checkpoint_id
 
     async def set_defaults(self, sandbox_id: str, user: str, workdir: str, env: dict[str, str],
@@ -550,7 +521,7 @@ class SandboxManager:
     async def kill(self, sandbox_id: str, reason: str = "kill") -> None:
         async with self.table.command(sandbox_id, Command.KILL) as step:
             if step.origin == State.PAUSED:
-                await self._kill_paused(step)
+                await self._kill_paused(step, reason)
             else:
                 await self._kill_running(step, reason)
 
@@ -578,7 +549,7 @@ class SandboxManager:
         self.metrics.forget(row.sandbox_id)
         self.egress.forget(row.sandbox_id)
 
-    async def _kill_paused(self, step: Step) -> None:
+    async def _kill_paused(self, step: Step, reason: str = "kill") -> None:
         row = step.row
         if row.settings.standby is not None:  # the row goes with its standby's teardown recorded, together
             await self.instances.reap_later(row.with_instance(row.settings.standby))
@@ -588,7 +559,7 @@ class SandboxManager:
         self.standbys.discard(row.sandbox_id)
         self.egress.forget(row.sandbox_id)
         await self.gateway.end(row)
-        await self.recorder.killed(row.session_id, "kill")
+        await self.recorder.killed(row.session_id, reason)
 
     # -- shared store ---------------------------------------------------------------------------------------------
     async def _journal_fetch(self, session_id: str, url: str, token: str, after: int, limit: int) -> tuple[int, Any]:

@@ -60,6 +60,8 @@ class Settings:
     auto_resume: bool = False  # traffic to it while paused resumes it (E2B's lifecycle autoResume)
     traffic_token: str | None = None  # `allowPublicTraffic: false`: port traffic must carry it (api/inbound.py)
     starting_timeout: int = 0  # the create's timeout, seconds: what an auto-resume gives it (0: the default)
+    checkpoint_every: int = 0  # our `checkpointEvery`: seconds between policy checkpoints (0: the server's policy)
+    checkpoint_at: float = 0.0  # when its latest checkpoint was taken (0: never, or before this was kept)
 
     @property
     def policy(self) -> Policy:
@@ -105,6 +107,8 @@ class Settings:
             auto_resume=bool(pick("auto_resume", "autoResume", default=False)),
             traffic_token=pick("traffic_token", "trafficAccessToken"),
             starting_timeout=int(pick("starting_timeout", default=0) or 0),
+            checkpoint_every=int(pick("checkpoint_every", default=0) or 0),
+            checkpoint_at=float(pick("checkpoint_at", default=0.0) or 0.0),
         )
 
 

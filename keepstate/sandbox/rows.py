@@ -19,14 +19,17 @@ from dataclasses import replace
 from typing import Any
 
 from keepstate.db.engine import Database
+from keepstate.db.errors import Fenced, Stale
 from keepstate.db.records import SandboxRecord, SnapshotRecord
 from keepstate.db.repos import Sandboxes, Snapshots
 from keepstate.db.setup import LOCAL_NODE
-from keepstate.errors import Conflict
+from keepstate.errors import Conflict, NotFound
 
 from .record import SandboxRow, Settings, Snapshot, TeardownRecord
 from .state import State
 
+# A gone node's rows in these states had an instance there: taken over from their latest checkpoint, or lost.
+LOST_STATES = ("running", "checkpointing", "pausing")
 
 class SandboxRows:
     def __init__(self, db: Database, node_id: str = LOCAL_NODE) -> None:
@@ -66,10 +69,66 @@ class SandboxRows:
         found = await self._repo.get(sandbox_id)
         return found.node_id if found is not None else None
 
-    async def take_over(self, sandbox_id: str) -> SandboxRow | None:
-        """A paused sandbox of a node that is gone, now this node's (its epoch moved on); None if not possible."""
+    async def take_over(self, sandbox_id: str) -> tuple[SandboxRow, SandboxRow | None] | None:
+        """A sandbox of a node that is gone, now this node's and paused (its epoch moved on): (row, None) for one
+        that was paused there; (row, the row as it was) for one that was running there, paused now at its latest
+        checkpoint (the work since is lost: docs/design/cluster.md, "Loss of a node"). None if not possible: no such
+        row, its node is live, or it was running with no checkpoint to resume from."""
         rec = await self._repo.take_over(sandbox_id, self.node_id)
-        return self._row(rec) if rec is not None else None
+        if rec is not None:
+            return self._row(rec), None
+        found = await self._repo.get(sandbox_id)
+        if found is None or found.state not in LOST_STATES:
+            return None
+        was = self._view(found)
+        if was.settings.checkpoint_id is None:
+            return None
+        rec = await self._repo.take_over(sandbox_id, self.node_id, LOST_STATES, expect_version=found.version)
+        return (self._row(rec), was) if rec is not None else None
+
+    async def hand_over(self, row: SandboxRow, to_node: str) -> None:
+        """Give this node's paused sandbox to the live node `to_node` (its epoch moves on): not this node's after."""
+        seen = self._seen.get(row.sandbox_id)
+        if seen is None:
+            raise Conflict(f"sandbox {row.sandbox_id} is not one this node has read")
+        await self._repo.hand_over(row.sandbox_id, to_node, seen[0], seen[1], doc=json.dumps(row.settings.to_json()))
+        self._seen.pop(row.sandbox_id, None)
+
+    async def on_gone_nodes(self, limit: int = 100) -> builtins.list[tuple[SandboxRow, str, int, int]]:
+        """Sandboxes that were running (or on their way) on a node that is gone, with (that node, the row's version,
+        its epoch): to take over, or to declare lost."""
+        return [(self._view(rec), rec.node_id, rec.version, rec.epoch)
+                for rec in await self._repo.on_gone_nodes(LOST_STATES, limit)]
+
+    async def delete_lost(self, sandbox_id: str, version: int, epoch: int) -> bool:
+        """Delete a gone node's row as it was read (`version`, `epoch`); False if it changed meanwhile."""
+        try:
+            await self._repo.delete(sandbox_id, expect_version=version, expect_epoch=epoch)
+        except (Stale, Fenced, NotFound):
+            return False
+        return True
+
+    async def peek(self, sandbox_id: str) -> SandboxRow | None:
+        """The row as stored, to look at (not to write: its version is not remembered)."""
+        found = await self._repo.get(sandbox_id)
+        return self._view(found) if found is not None else None
+
+    async def node_of(self, sandbox_id: str) -> tuple[str, str] | None:
+        """(node, state) of the row now (None: no row)."""
+        found = await self._repo.get(sandbox_id)
+        return (found.node_id, found.state) if found is not None else None
+
+    async def holder(self, sandbox_id: str) -> tuple[str, int] | None:
+        """(node, epoch) of the sandbox's row now (None: no row)."""
+        found = await self._repo.get(sandbox_id)
+        return (found.node_id, found.epoch) if found is not None else None
+
+    def seen(self, sandbox_id: str) -> tuple[int, int] | None:
+        """(version, epoch) this process last read or wrote the row at."""
+        return self._seen.get(sandbox_id)
+
+    def forget(self, sandbox_id: str) -> None:
+        self._seen.pop(sandbox_id, None)
 
     async def claim(self, pooled_id: str, row: SandboxRow) -> None:
         """Replace the pooled row `pooled_id` by `row` (a user's ID) in one transaction."""

@@ -237,6 +237,10 @@ class SandboxTable:
         assert row.state in (State.RUNNING, State.PAUSED), row.state
         self._records[row.sandbox_id] = row
 
+    def forget(self, sandbox_id: str) -> None:
+        """A record dropped without a write: its row is another node's now (sandbox/fencing.py)."""
+        self._records.pop(sandbox_id, None)
+
     def drop(self) -> None:
         """Every record, forgotten: a server stopping with reap has torn their instances down."""
         self._records = {}

@@ -11,7 +11,7 @@ from keepstate.db.repos.history import History
 from keepstate.errors import BadRequest, NotFound
 from keepstate.store.manifest import EventRef
 
-CHECKPOINT_KINDS = ("pause", "snapshot", "fork")
+CHECKPOINT_KINDS = ("pause", "snapshot", "fork", "policy")  # policy: a checkpoint policy's (cluster.md)
 SESSION_STATES = ("running", "paused", "killed")
 MAX_DEPTH = 1000  # parent links come from our own writes, but an import could forge a cycle
 

@@ -8,6 +8,7 @@ transaction on the Database it was given, async, and takes and returns the plain
 
 from keepstate.db.repos.history import History
 from keepstate.db.repos.keys import Keys
+from keepstate.db.repos.leases import Leases
 from keepstate.db.repos.ledger import Ledger
 from keepstate.db.repos.nodes import Nodes
 from keepstate.db.repos.sandboxes import Sandboxes
@@ -16,4 +17,4 @@ from keepstate.db.repos.snapshots import Snapshots
 from keepstate.db.repos.templates import Templates
 from keepstate.db.repos.volumes import Volumes
 
-__all__ = ["History", "Keys", "Ledger", "Nodes", "Sandboxes", "Secrets", "Snapshots", "Templates", "Volumes"]
+__all__ = ["History", "Keys", "Leases", "Ledger", "Nodes", "Sandboxes", "Secrets", "Snapshots", "Templates", "Volumes"]

@@ -16,6 +16,11 @@ The events' primary key (session_id, seq) stands behind both: two rows at one se
     await history.append_journal("s1", 7, links, 9)           # only if the journal cursor is still 7, else None
 
 A head row at seq 0 holds only a journal cursor (its session has no event yet); for the chain it is no head.
+
+Fencing (docs/design/cluster.md, "Fencing"): a writer may say, per session, which sandbox row it writes for and at
+which (node, epoch) it holds it (`fence`). Every append then reads that row in its transaction (FOR SHARE on
+PostgreSQL, so a take-over waits for the append or the append sees the take-over) and writes nothing, raising
+Fenced, if another node or a later epoch holds it: a node that lost a sandbox cannot extend its history.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from keepstate.db.engine import Conn, Database
-from keepstate.db.errors import Stale
+from keepstate.db.errors import Fenced, Stale
 from keepstate.db.records import CheckpointRecord, EventRecord, HeadRecord, SessionRecord
 from keepstate.db.repos._sql import columns, insert_or_ignore, record
-from keepstate.db.schema import checkpoints, events, heads, sessions
+from keepstate.db.schema import checkpoints, events, heads, sandboxes, sessions
 from keepstate.errors import Conflict
 
 NO_EVENT_HASH = "0" * 64  # the `hash` of a head row at seq 0 (a journal cursor only), as sessions.sqlite wrote it
@@ -42,6 +47,9 @@ the write transaction, with the head locked."""
 Chain = tuple[str, tuple[int, str] | None, Sequence[EventRecord]]
 """(session_id, the (seq, hash) its events continue (None: the session has none yet), the events in seq order)."""
 
+Fence = Callable[[str], tuple[str, str, int] | None]
+"""A session's writer's claim: (sandbox_id, node_id, epoch) of the row it writes the session for; None: no claim."""
+
 _e, _h, _s, _c = events.c, heads.c, sessions.c, checkpoints.c
 
 
@@ -50,8 +58,9 @@ class _Refused(Exception):
 
 
 class History:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, fence: Fence | None = None) -> None:
         self.db = db
+        self.fence = fence
 
     # -- appending --------------------------------------------------------------------------------------------------
     async def extend(self, session_id: str, links: Sequence[Link]) -> list[EventRecord]:
@@ -255,7 +264,21 @@ class History:
             await conn.execute(insert_or_ignore(self.db.kind, heads, ["session_id"],
                                                 {"session_id": session_id, "seq": 0, "hash": NO_EVENT_HASH}))
         row = (await conn.execute(sa.select(heads).where(_h.session_id == session_id).with_for_update())).first()
+        await self._check_fence(conn, session_id)
         return record(HeadRecord, row) if row else None
+
+    async def _check_fence(self, conn: Conn, session_id: str) -> None:
+        claim = self.fence(session_id) if self.fence is not None else None
+        if claim is None:
+            return
+        sandbox_id, node_id, epoch = claim
+        query = sa.select(sandboxes.c.node_id, sandboxes.c.epoch).where(sandboxes.c.sandbox_id == sandbox_id)
+        if self.db.kind == "postgresql":
+            query = query.with_for_update(read=True)
+        row = (await conn.execute(query)).first()
+        if row is not None and (row.node_id, row.epoch) != (node_id, epoch):
+            raise Fenced(f"session {session_id}: sandbox {sandbox_id} is node {row.node_id}'s at epoch {row.epoch}, "
+                         f"not {node_id}'s at {epoch}: its history is not this writer's to extend")
 
     async def _link(self, conn: Conn, session_id: str, head: HeadRecord | None,
                     links: Sequence[Link]) -> list[EventRecord]:

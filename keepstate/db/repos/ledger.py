@@ -1,26 +1,28 @@
 """The metering gateway's ledger (docs/design/database.md, "Ledger"; docs/design/gateway.md): runs and their
 address bindings, checkpoint marks, positions, divergences, calls, budgets and ledger entries.
 
-    ledger = Ledger(db, owner="1234:9f0e…")          # the owner this process writes on the calls it claims
+    ledger = Ledger(db, owner="node/a/3")            # the owner written on the calls it claims (ledger_claims.py)
     await ledger.begin_upstream(attempt, ...)        # reserve, record the position, mark the call in flight
     entry_id = await ledger.finish_upstream(attempt, ...)   # bill it, once (None: it was finished already)
-    await ledger.recover(alive)                      # the calls of dead owners: interrupted, billed once
+    await ledger.recover(alive)                      # the calls of gone owners: interrupted, billed once
 
 Promises:
 - `begin_upstream` reserves every applicable budget, records the call's position and marks the call `inflight` in
   one transaction; a budget that the reservation would overrun refuses it (BudgetRefused) and nothing is written.
   The reservation is a conditional UPDATE (`… WHERE spent + reserved + amount <= limit`), so two calls reserving at
-  once never overspend a budget, on PostgreSQL too. A call in flight (whoever owns it) is not claimed again:
-  CallInFlight.
+  once never overspend a budget, on PostgreSQL too. A call in flight is not claimed again (CallInFlight) unless
+  its owner is gone (`alive` given): then, in the same transaction, that owner's attempt is interrupted as by
+  `recover` and the call claimed anew; of two claims at once (two nodes retrying it) exactly one succeeds.
 - `finish_upstream` bills the call once: it only finishes a call that is in flight and owned by this ledger's
   owner; a second finish (or a finish after `recover` took the call) writes nothing and returns None.
-- `recover` turns every in-flight call whose owner `alive` says is gone into `interrupted`, with one ledger entry
-  and its whole reservation charged (the provider may have billed it), in one transaction; two recoveries at once
-  bill each call once.
+- `recover` turns every in-flight call whose owner is gone into `interrupted`, with one ledger entry and its whole
+  reservation charged (the provider may have billed it), in one transaction; two recoveries at once bill each call
+  once.
 
 No domain types: usage is a plain mapping of token counts (stored as JSON in `calls.usage`), ledger entries,
-budgets and divergences are their rows as dicts (column name -> value). Owners are opaque strings; whether one is
-alive is the caller's to say (the gateway's `pid:nonce` today).
+budgets and divergences are their rows as dicts (column name -> value). Owners are opaque strings: a node's
+incarnation (`node/<node>/<incarnation>`) is judged gone by the `nodes` table, any other owner by the caller's
+`alive` (the `pid:nonce` of a standalone gateway process): keepstate/db/repos/ledger_claims.py.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from sqlalchemy.engine import Row
 
 from keepstate.db.engine import Conn, Database
 from keepstate.db.repos._sql import duplicate, upsert
-from keepstate.db.schema import bindings, budgets, calls, divergences, ledger, marks, positions, reservations, runs
+from keepstate.db.repos.ledger_claims import existing_budgets, gone_judge, owner_gone, reserve, settle
+from keepstate.db.schema import bindings, budgets, calls, divergences, ledger, marks, positions, runs
 
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "reasoning_tokens")
 
@@ -130,6 +133,7 @@ class Attempt:
     endpoint: str
     started_at: float
     reserved: bool = True  # a budget applied when it began: its reservations are settled when it finishes
+    owner: str | None = None  # who claims it (None: the ledger's owner); finished under the owner that began it
 
 
 # The statements of a model call's path, built once: building one costs more than running it on SQLite (about
@@ -154,6 +158,8 @@ _FINISH_CALL = (calls.update()
                         usage=sa.bindparam("new_usage"), upstream_request_id=sa.bindparam("new_request_id"),
                         finished_at=sa.bindparam("new_finished_at"), owner=None,
                         ok_entry_id=sa.func.coalesce(sa.bindparam("new_ok_entry"), calls.c.ok_entry_id)))
+_INTERRUPTIBLE = (sa.select(calls, runs.c.sandbox_id, runs.c.api_key_id)
+                  .join(runs, runs.c.run_id == calls.c.run_id).with_for_update(of=calls))
 _NEW_POSITION = positions.insert()
 _POSITION = sa.select(positions).where(positions.c.run_id == sa.bindparam("run_id"),
                                        positions.c.ordinal == sa.bindparam("ordinal"))
@@ -165,14 +171,6 @@ _DELIVERED = (positions.update()
               .where(positions.c.run_id == sa.bindparam("run"), positions.c.ordinal == sa.bindparam("at_ordinal"))
               .values(delivered=1, delivered_at=sa.func.coalesce(positions.c.delivered_at, sa.bindparam("when"))))
 _NEW_ENTRY = ledger.insert().returning(ledger.c.entry_id)
-_BUDGETS_1 = sa.select(budgets.c.scope, budgets.c.ident).where(
-    budgets.c.scope == sa.bindparam("s0"), budgets.c.ident == sa.bindparam("i0"))
-_BUDGETS_2 = sa.select(budgets.c.scope, budgets.c.ident).where(sa.or_(
-    sa.and_(budgets.c.scope == sa.bindparam("s0"), budgets.c.ident == sa.bindparam("i0")),
-    sa.and_(budgets.c.scope == sa.bindparam("s1"), budgets.c.ident == sa.bindparam("i1"))))
-_RESERVATIONS = (sa.select(reservations).where(reservations.c.call_key == sa.bindparam("call_key"),
-                                               reservations.c.owner == sa.bindparam("owner"))
-                 .order_by(reservations.c.id))
 
 
 class Ledger:
@@ -348,47 +346,64 @@ class Ledger:
         return row is not None
 
     async def begin_upstream(self, a: Attempt, stream: bool, body_hash: str, position: Position | None,
-                             scopes: builtins.list[tuple[str, str]], amount_nano: int) -> None:
+                             scopes: builtins.list[tuple[str, str]], amount_nano: int,
+                             alive: Callable[[str], bool] | None = None) -> str | None:
         """Claim a call for one upstream request, in one transaction: reserve `amount_nano` on each budget of
-        `scopes` that exists, record `position` (if any) and mark the call `inflight`, owned by this ledger's owner.
+        `scopes` that exists, record `position` (if any) and mark the call `inflight`, owned by the attempt's owner.
 
-        BudgetRefused if a budget could be overrun, CallInFlight if the call is in flight already; nothing is
-        written then."""
+        A call in flight already is taken over only if `alive` is given and its owner is gone (a node's incarnation
+        by the `nodes` table, any other owner by `alive`): its attempt is interrupted first, in this transaction, as
+        `recover` would (ledger_claims.py). The owner taken over from, else None.
+
+        BudgetRefused if a budget could be overrun, CallInFlight if the call is in flight under an owner that is not
+        gone; nothing is written then."""
+        owner, taken = a.owner or self.owner, None
         try:
             async with self.db.transaction() as conn:
                 existing = (await conn.execute(_CALL_FOR_UPDATE, {"call_key": a.call_key})).first()
                 if existing is not None and existing.status == INFLIGHT:
-                    raise CallInFlight(a.call_key, existing.owner)
+                    if alive is None or existing.owner is None or existing.owner == owner \
+                            or not await owner_gone(conn, existing.owner, alive):
+                        raise CallInFlight(a.call_key, existing.owner)
+                    row = (await conn.execute(_INTERRUPTIBLE.where(calls.c.call_key == a.call_key))).one()
+                    await _interrupt(conn, row)
+                    taken = existing.owner
                 for scope, ident in scopes:
-                    await self._reserve(conn, a.call_key, scope, ident, amount_nano)
+                    if not await reserve(conn, a.call_key, owner, scope, ident, amount_nano):
+                        raise BudgetRefused(scope, ident)
                 if position is not None:
                     await conn.execute(_NEW_POSITION, _position_values(position))
                 if existing is None:
                     await conn.execute(_NEW_CALL, {
                         "call_key": a.call_key, "session_id": a.run.session_id, "run_id": a.run.run_id,
                         "endpoint": a.endpoint, "provider": a.provider, "model": a.model, "stream": int(stream),
-                        "body_hash": body_hash, "status": INFLIGHT, "owner": self.owner, "attempts": 1,
+                        "body_hash": body_hash, "status": INFLIGHT, "owner": owner, "attempts": 1,
                         "created_at": a.started_at})
                 else:
-                    await conn.execute(_RETRY_CALL, {"key": a.call_key, "new_owner": self.owner})
+                    await conn.execute(_RETRY_CALL, {"key": a.call_key, "new_owner": owner})
+        except BudgetRefused:
+            if taken is not None:  # refused, but the gone owner's attempt is lost all the same: settle it
+                await self._interrupt_lost(a.call_key, taken)
+            raise
         except sa.exc.IntegrityError as e:
             # Another transaction inserted the call meanwhile (PostgreSQL; SQLite's write lock rules it out).
             if not duplicate(e) or (position is not None and await self._position_taken(position)):
                 raise
             raise CallInFlight(a.call_key, None) from None
+        return taken
 
-    async def _reserve(self, conn: Conn, call_key: str, scope: str, ident: str, amount: int) -> None:
-        where = (budgets.c.scope == scope, budgets.c.ident == ident)
-        done = await conn.execute(
-            budgets.update()
-            .where(*where, budgets.c.spent_nano + budgets.c.reserved_nano + amount <= budgets.c.limit_nano)
-            .values(reserved_nano=budgets.c.reserved_nano + amount))
-        if done.rowcount != 1:
-            if (await conn.execute(sa.select(budgets.c.scope).where(*where))).first() is None:
-                return  # no such budget: nothing to reserve
-            raise BudgetRefused(scope, ident)
-        await conn.execute(reservations.insert().values(call_key=call_key, owner=self.owner, scope=scope,
-                                                        ident=ident, amount_nano=amount))
+    async def _interrupt_lost(self, call_key: str, owner: str) -> None:
+        """Interrupt the call if it is still in flight under `owner` (judged gone already: it stays gone)."""
+        async with self.db.transaction() as conn:
+            query = _INTERRUPTIBLE.where(calls.c.call_key == call_key, calls.c.status == INFLIGHT,
+                                         calls.c.owner == owner)
+            if (row := (await conn.execute(query)).first()) is not None:
+                await _interrupt(conn, row)
+
+    async def owner_gone(self, owner: str, alive: Callable[[str], bool]) -> bool:
+        """Whether the owner of a call in flight is gone (as `begin_upstream` judges it), in one read."""
+        async with self.db.read() as conn:
+            return await owner_gone(conn, owner, alive)
 
     async def _position_taken(self, p: Position) -> bool:
         return await self.position(p.run_id, p.ordinal) is not None
@@ -397,8 +412,9 @@ class Ledger:
                               content_type: str | None, response: bytes, usage: Mapping[str, int] | None,
                               request_id: str | None, cost_nano: int, priced: bool) -> int | None:
         """Store the response, write the call's ledger entry and turn its reservations into spending, in one
-        transaction; the entry's ID. Only a call in flight and owned by this ledger's owner is finished: for any
-        other (finished already, or recovered as interrupted) nothing is written and the answer is None."""
+        transaction; the entry's ID. Only a call in flight and owned by the attempt's owner is finished: for any
+        other (finished already, or recovered as interrupted, or taken over) nothing is written and the answer is
+        None."""
         now = time.time()
         try:
             async with self.db.transaction() as conn:
@@ -406,14 +422,14 @@ class Ledger:
                 entry_id = await _insert_entry(conn, "upstream", outcome, a, http_status, usage or {}, cost_nano,
                                                priced, request_id, None, now)
                 claimed = await conn.execute(_FINISH_CALL, {
-                    "key": a.call_key, "by": self.owner, "new_status": DONE if ok else FAILED,
+                    "key": a.call_key, "by": a.owner or self.owner, "new_status": DONE if ok else FAILED,
                     "new_http_status": http_status, "new_content_type": content_type, "new_response": response,
                     "new_usage": json.dumps(dict(usage)) if usage is not None else None,
                     "new_request_id": request_id, "new_finished_at": now, "new_ok_entry": entry_id if ok else None})
                 if claimed.rowcount != 1:
                     raise _NotOurs
                 if a.reserved:
-                    await _settle(conn, a.call_key, self.owner, cost_nano)
+                    await settle(conn, a.call_key, a.owner or self.owner, cost_nano)
         except _NotOurs:
             return None
         return entry_id
@@ -426,27 +442,18 @@ class Ledger:
                                        time.time())
 
     async def recover(self, alive: Callable[[str], bool]) -> builtins.list[str]:
-        """Mark the in-flight calls whose owner is not `alive` `interrupted`, each with a ledger entry, and charge
-        their whole reservations (the provider may have billed them), in one transaction; their call keys."""
+        """Mark the in-flight calls whose owner is gone (a node's incarnation by the `nodes` table, any other owner
+        by `alive`) `interrupted`, each with a ledger entry, and charge their whole reservations (the provider may
+        have billed them), in one transaction; their call keys."""
         found: builtins.list[str] = []
-        query = (sa.select(calls, runs.c.sandbox_id, runs.c.api_key_id)
-                 .join(runs, runs.c.run_id == calls.c.run_id)
-                 .where(calls.c.status == INFLIGHT, calls.c.owner.is_not(None))
-                 .order_by(calls.c.created_at, calls.c.call_key)
-                 .with_for_update(of=calls))
+        query = (_INTERRUPTIBLE.where(calls.c.status == INFLIGHT, calls.c.owner.is_not(None))
+                 .order_by(calls.c.created_at, calls.c.call_key))
         async with self.db.transaction() as conn:
+            gone = await gone_judge(conn, alive)
             for row in (await conn.execute(query)).all():
-                if alive(row.owner):
-                    continue
-                run = Run(run_id=row.run_id, session_id=row.session_id, sandbox_id=row.sandbox_id,
-                          api_key_id=row.api_key_id, checkpoint_id=None, mode="", parent_session_id=None)
-                a = Attempt(call_key=row.call_key, run=run, provider=row.provider, model=row.model,
-                            endpoint=row.endpoint, started_at=row.created_at)
-                await conn.execute(calls.update().where(calls.c.call_key == row.call_key)
-                                   .values(status=INTERRUPTED, owner=None))
-                await _insert_entry(conn, "upstream", INTERRUPTED, a, None, {}, 0, True, None, None, time.time())
-                await _settle(conn, row.call_key, row.owner, None)
-                found.append(row.call_key)
+                if gone(row.owner):
+                    await _interrupt(conn, row)
+                    found.append(row.call_key)
         return found
 
     # -- budgets and the ledger -------------------------------------------------------------------------------------
@@ -466,7 +473,7 @@ class Ledger:
     async def existing_budgets(self, scopes: Sequence[tuple[str, str]]) -> builtins.list[tuple[str, str]]:
         """The scopes of `scopes` that have a budget, in their order, in one read."""
         async with self.db.read() as conn:
-            return await _existing_budgets(conn, scopes)
+            return await existing_budgets(conn, scopes)
 
     async def call_and_budgets(self, call_key: str,
                                scopes: Sequence[tuple[str, str]]) -> tuple[Call | None, builtins.list[tuple[str, str]]]:
@@ -474,7 +481,7 @@ class Ledger:
         upstream."""
         async with self.db.read() as conn:
             row = (await conn.execute(_CALL, {"call_key": call_key})).first()
-            return (_call(row) if row else None), await _existing_budgets(conn, scopes)
+            return (_call(row) if row else None), await existing_budgets(conn, scopes)
 
     async def budgets(self) -> builtins.list[dict[str, Any]]:
         async with self.db.read() as conn:
@@ -511,33 +518,17 @@ async def _insert_entry(conn: Conn, kind: str, outcome: str, a: Attempt, http_st
     return int(done.scalar_one())
 
 
-async def _existing_budgets(conn: Conn, scopes: Sequence[tuple[str, str]]) -> builtins.list[tuple[str, str]]:
-    if not scopes:
-        return []
-    found = {(r.scope, r.ident) for r in await conn.execute(*_budgets_of(scopes))}
-    return [s for s in scopes if s in found]
-
-
-def _budgets_of(scopes: Sequence[tuple[str, str]]) -> tuple[sa.Select[Any], dict[str, str]]:
-    """The statement (and its parameters) reading which budgets of `scopes` exist: for a call's one or two scopes,
-    one of two statements built once."""
-    if len(scopes) == 1:
-        return _BUDGETS_1, {"s0": scopes[0][0], "i0": scopes[0][1]}
-    if len(scopes) == 2:
-        return _BUDGETS_2, {"s0": scopes[0][0], "i0": scopes[0][1], "s1": scopes[1][0], "i1": scopes[1][1]}
-    where = sa.or_(*(sa.and_(budgets.c.scope == scope, budgets.c.ident == ident) for scope, ident in scopes))
-    return sa.select(budgets.c.scope, budgets.c.ident).where(where), {}
-
-
-async def _settle(conn: Conn, call_key: str, owner: str, cost_nano: int | None) -> None:
-    """Replace the call's reservations by `owner` with its actual cost (None: charge the whole reservation)."""
-    rows = (await conn.execute(_RESERVATIONS, {"call_key": call_key, "owner": owner})).all()
-    for r in rows:
-        spent = r.amount_nano if cost_nano is None else cost_nano
-        await conn.execute(
-            budgets.update().where(budgets.c.scope == r.scope, budgets.c.ident == r.ident)
-            .values(reserved_nano=budgets.c.reserved_nano - r.amount_nano, spent_nano=budgets.c.spent_nano + spent))
-        await conn.execute(reservations.delete().where(reservations.c.id == r.id))
+async def _interrupt(conn: Conn, row: Row[Any]) -> None:
+    """The upstream request of a call in flight (a row of _INTERRUPTIBLE, locked) is lost with its owner: the call
+    is `interrupted`, with an `upstream` entry of outcome `interrupted` (tokens unknown, cost 0), and its owner's
+    whole reservation is charged (the provider may have billed it)."""
+    run = Run(run_id=row.run_id, session_id=row.session_id, sandbox_id=row.sandbox_id, api_key_id=row.api_key_id,
+              checkpoint_id=None, mode="", parent_session_id=None)
+    a = Attempt(call_key=row.call_key, run=run, provider=row.provider, model=row.model, endpoint=row.endpoint,
+                started_at=row.created_at)
+    await conn.execute(calls.update().where(calls.c.call_key == row.call_key).values(status=INTERRUPTED, owner=None))
+    await _insert_entry(conn, "upstream", INTERRUPTED, a, None, {}, 0, True, None, None, time.time())
+    await settle(conn, row.call_key, row.owner, None)
 
 
 # -- rows to records ------------------------------------------------------------------------------------------------

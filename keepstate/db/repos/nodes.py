@@ -115,7 +115,7 @@ class Nodes:
         """`list()` and the database's `now()` in one read: what `GET /nodes` and `keepstate nodes ls` show."""
         async with self.db.read() as conn:
             rows = await conn.execute(sa.select(nodes).where(_c.state != "removed").order_by(_c.node_id))
-            found = [_record(r) for r in rows]
+            found = [node_record(r) for r in rows]
             return found, float((await conn.execute(sa.select(db_now(self.db.kind)))).scalar_one())
 
     async def expire(self, grace_s: float, max_dead_fraction: float = 0.5,
@@ -147,10 +147,11 @@ class Nodes:
 
 async def _get(conn: Conn, node_id: str) -> NodeRecord | None:
     row = (await conn.execute(sa.select(nodes).where(_c.node_id == node_id))).first()
-    return _record(row) if row is not None else None
+    return node_record(row) if row is not None else None
 
 
-def _record(row: Any) -> NodeRecord:
+def node_record(row: Any) -> NodeRecord:
+    """A `nodes` row as its record (placement.py reads them joined)."""
     return NodeRecord(node_id=row.node_id, address=row.address, cpus=float(row.cpus), memory_mb=int(row.memory_mb),
                       max_sandboxes=int(row.max_sandboxes), runsc_release=row.runsc_release,
                       cpu_features=tuple(json.loads(row.cpu_features)), templates=tuple(json.loads(row.templates)),

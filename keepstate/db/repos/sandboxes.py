@@ -28,6 +28,7 @@ from keepstate.db.engine import Conn, Database
 from keepstate.db.errors import Fenced, Stale
 from keepstate.db.records import SandboxRecord, TeardownRecord
 from keepstate.db.repos._sql import columns, duplicate, insert_or_ignore, record
+from keepstate.db.repos.nodes import db_now
 from keepstate.db.schema import nodes, sandboxes, teardowns
 from keepstate.errors import Conflict, NotFound
 
@@ -36,8 +37,10 @@ GONE_NODE_STATES = ("dead", "left", "removed")  # a node in these holds no sandb
 LAST_ERROR_MAX = 2000  # characters of a failed teardown's message that are kept
 
 _c = sandboxes.c
-# What a transition may change: everything but the row's identity and the two tokens it is conditioned on.
-CHANGEABLE = frozenset(c.name for c in sandboxes.c) - {"sandbox_id", "version", "epoch"}
+# What a transition may change: everything but the row's identity, the two tokens it is conditioned on, and
+# `paused_at`, which follows the state it writes (_paused).
+CHANGEABLE = frozenset(c.name for c in sandboxes.c) - {"sandbox_id", "version", "epoch", "paused_at"}
+KEEP_PAUSED_AT = ("resuming", "killing")  # on the way out of `paused`: it keeps the time it was paused
 
 
 class Sandboxes:
@@ -49,7 +52,8 @@ class Sandboxes:
         """Write a new row as given (its version and epoch included); Conflict if its ID exists."""
         try:
             async with self.db.transaction() as conn:
-                await conn.execute(sandboxes.insert().values(**columns(rec)))
+                await conn.execute(sandboxes.insert().values(
+                    **columns(rec) | {"paused_at": db_now(self.db.kind) if rec.state == "paused" else None}))
         except sa.exc.IntegrityError as e:
             if not duplicate(e):
                 raise
@@ -69,15 +73,15 @@ class Sandboxes:
             rows = await conn.execute(query.order_by(_c.started_at, _c.sandbox_id))
             return [record(SandboxRecord, r) for r in rows]
 
-    async def owner_node(self, sandbox_id: str) -> tuple[str, str, str] | None:
-        """(node, its address, its state) of the node whose row the sandbox is, in one read; the address and state
-        are empty for a node that never joined. None: no such sandbox."""
-        query = (sa.select(_c.node_id, nodes.c.address, nodes.c.state)
+    async def owner_node(self, sandbox_id: str) -> tuple[str, str, str, int] | None:
+        """(node, its address, its state, the row's epoch) of the node whose row the sandbox is, in one read; the
+        address and state are empty for a node that never joined. None: no such sandbox."""
+        query = (sa.select(_c.node_id, nodes.c.address, nodes.c.state, _c.epoch)
                  .select_from(sandboxes.outerjoin(nodes, nodes.c.node_id == _c.node_id))
                  .where(_c.sandbox_id == sandbox_id))
         async with self.db.read() as conn:
             row = (await conn.execute(query)).first()
-        return (row.node_id, row.address or "", row.state or "") if row is not None else None
+        return (row.node_id, row.address or "", row.state or "", int(row.epoch)) if row is not None else None
 
     async def others(self, node_id: str, states: Collection[str]) -> builtins.list[SandboxRecord]:
         """Every other node's sandboxes in `states`, oldest first (a cluster-wide list)."""
@@ -104,29 +108,84 @@ class Sandboxes:
             done = await conn.execute(
                 sandboxes.update()
                 .where(_c.sandbox_id == sandbox_id, _c.version == expect_version, _c.epoch == expect_epoch)
-                .values(version=_c.version + 1, **changes))
+                .values(version=_c.version + 1, **changes, **_paused(self.db.kind, changes)))
             if done.rowcount != 1:
                 await _refuse(conn, sandbox_id, expect_version, expect_epoch)
             if teardown is not None:
                 await conn.execute(self._teardown(teardown))
         return expect_version + 1
 
-    async def take_over(self, sandbox_id: str, to_node: str,
-                        states: Collection[str] = ("paused", "resuming")) -> SandboxRecord | None:
-        """Move a sandbox (in one of `states`) from a node that is no longer live (dead, left or removed, by its
-        `nodes` row) to `to_node`, in one transaction: its epoch moves on, so whatever the old owner still tries to
-        write of it is refused (Fenced). The row as moved, its state `paused`; None if it is not there, not in
-        those states, or its node is still live (or already `to_node`)."""
-        gone_nodes = sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES))
+    async def take_over(self, sandbox_id: str, to_node: str, states: Collection[str] = ("paused", "resuming"), *,
+                        expect_version: int | None = None, **changes: object) -> SandboxRecord | None:
+        """Move a sandbox (in one of `states`, and at `expect_version` if given) from a node that is no longer live
+        (dead, left or removed, by its `nodes` row) to `to_node`, in one transaction, setting `changes` (columns of
+        CHANGEABLE) with it: its epoch moves on, so whatever the old owner still tries to write of it is refused
+        (Fenced). The row as moved, its state `paused`; None if it is not there, not in those states or at that
+        version, or its node is still live (or already `to_node`)."""
+        unknown = set(changes) - CHANGEABLE
+        if unknown:
+            raise TypeError(f"take_over cannot set {', '.join(sorted(unknown))}")
+        conditions = [_c.sandbox_id == sandbox_id, _c.state.in_(tuple(states)), _c.node_id != to_node,
+                      _c.node_id.in_(sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES)))]
+        if expect_version is not None:
+            conditions.append(_c.version == expect_version)
+        moved = {"state": "paused", **changes}
         async with self.db.transaction() as conn:
             done = await conn.execute(
-                sandboxes.update()
-                .where(_c.sandbox_id == sandbox_id, _c.state.in_(tuple(states)), _c.node_id != to_node,
-                       _c.node_id.in_(gone_nodes))
-                .values(node_id=to_node, state="paused", epoch=_c.epoch + 1, version=_c.version + 1)
+                sandboxes.update().where(*conditions)
+                .values(node_id=to_node, epoch=_c.epoch + 1, version=_c.version + 1, **moved,
+                        **_paused(self.db.kind, moved))
                 .returning(*sandboxes.c))
             row = done.first()
         return record(SandboxRecord, row) if row is not None else None
+
+    async def hand_over(self, sandbox_id: str, to_node: str, expect_version: int, expect_epoch: int,
+                        **changes: object) -> SandboxRecord:
+        """The owner gives a paused sandbox to a live node `to_node` (a drain), at the version and epoch it holds it
+        at, setting `changes` with it: the epoch moves on. The row as handed over; Fenced, Stale or NotFound, with
+        nothing written, if the owner's view is not the row's, and Conflict if `to_node` is not live."""
+        unknown = set(changes) - CHANGEABLE
+        if unknown:
+            raise TypeError(f"hand_over cannot set {', '.join(sorted(unknown))}")
+        live = sa.select(nodes.c.node_id).where(nodes.c.node_id == to_node, nodes.c.state == "alive")
+        async with self.db.transaction() as conn:
+            done = await conn.execute(
+                sandboxes.update()
+                .where(_c.sandbox_id == sandbox_id, _c.version == expect_version, _c.epoch == expect_epoch,
+                       _c.state == "paused", live.exists())
+                .values(node_id=to_node, epoch=_c.epoch + 1, version=_c.version + 1, **changes)
+                .returning(*sandboxes.c))
+            row = done.first()
+            if row is None:
+                found = (await conn.execute(sa.select(_c.version, _c.epoch).where(_c.sandbox_id == sandbox_id))).first()
+                if found is None or (found.version, found.epoch) != (expect_version, expect_epoch):
+                    await _refuse(conn, sandbox_id, expect_version, expect_epoch)
+                raise Conflict(f"sandbox {sandbox_id} is not paused, or node {to_node} is not alive")
+        return record(SandboxRecord, row)
+
+    async def on_gone_nodes(self, states: Collection[str], limit: int = 100) -> builtins.list[SandboxRecord]:
+        """Sandboxes in `states` whose node is gone (dead, left or removed): what a live node takes over."""
+        gone = sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES))
+        query = (sa.select(sandboxes).where(_c.state.in_(tuple(states)), _c.node_id.in_(gone))
+                 .order_by(_c.started_at, _c.sandbox_id).limit(limit))
+        async with self.db.read() as conn:
+            return [record(SandboxRecord, r) for r in await conn.execute(query)]
+
+    async def paused_longer_than(self, seconds: float, node_id: str,
+                                 sandbox_id: str | None = None) -> builtins.list[str]:
+        """The sandboxes paused for more than `seconds` by the database's clock, the longest first: `node_id`'s own
+        and those of nodes that are gone (only `sandbox_id`, if given). A paused row without `paused_at` (paused
+        before revision 0003, or imported from an older release's files) is stamped now: it counts from here."""
+        now = db_now(self.db.kind)
+        gone = sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES))
+        where = [_c.state == "paused", sa.or_(_c.node_id == node_id, _c.node_id.in_(gone))]
+        if sandbox_id is not None:
+            where.append(_c.sandbox_id == sandbox_id)
+        async with self.db.transaction() as conn:
+            await conn.execute(sandboxes.update().where(*where, _c.paused_at.is_(None)).values(paused_at=now))
+            rows = await conn.execute(sa.select(_c.sandbox_id).where(*where, _c.paused_at < now - seconds)
+                                      .order_by(_c.paused_at, _c.sandbox_id))
+            return list(rows.scalars())
 
     async def claim_pooled(self, pooled_id: str, rec: SandboxRecord) -> None:
         """Replace the pooled row `pooled_id` by `rec` (the user's ID) in one transaction: Stale if that row is gone
@@ -194,6 +253,16 @@ class Sandboxes:
     def _teardown(self, teardown: TeardownRecord) -> sa.Insert:
         return insert_or_ignore(self.db.kind, teardowns, ["runtime_name"],
                                 columns(teardown) | {"created_at": time.time()})
+
+
+def _paused(kind: str, changes: dict[str, object]) -> dict[str, object]:
+    """What `paused_at` becomes with a write of `changes`: the database's now when the row becomes paused (kept if it
+    was paused already), kept on the way out of it (resuming, killing), cleared in any other state."""
+    if "state" not in changes or changes["state"] in KEEP_PAUSED_AT:
+        return {}
+    if changes["state"] == "paused":
+        return {"paused_at": sa.func.coalesce(_c.paused_at, db_now(kind))}
+    return {"paused_at": None}
 
 
 async def _refuse(conn: Conn, sandbox_id: str, expect_version: int | None,
