@@ -53,6 +53,18 @@ class Conflict(KeepStateError):
     status = 409
 
 
+class InProgress(Conflict):
+    """Another request with the same idempotency key is still running (409 `idempotency_in_progress`): the client
+    retries with the same key after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, error_code="idempotency_in_progress")
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Should-Retry": "true", "Retry-After": str(self.retry_after)}
+
+
 class PayloadTooLarge(KeepStateError):
     status = 413
 

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "keepstate"
 
 # Lowest first. A unit is a subpackage or a top-level module of keepstate.
 LAYERS: list[set[str]] = [
-    {"keepstate", "errors", "config", "ports", "pids", "mountpoints", "netaddr", "rootfs", "clock"},
+    {"keepstate", "errors", "config", "ports", "pids", "mountpoints", "netaddr", "rootfs", "clock", "faults"},
     {"db", "store", "agent"},  # the agent runs inside sandboxes: it stands on the leaves only
     {"apikeys", "secret", "volume", "session", "gateway", "runtime", "template", "egress", "cluster"},
     {"sandbox"},

@@ -30,6 +30,7 @@ from keepstate.db import setup as db_setup
 from keepstate.db.engine import Database
 from keepstate.db.records import NodeRecord
 from keepstate.db.repos import History, Keys, Nodes
+from keepstate.db.repos.ledger_claims import node_owner
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress import firewall
 from keepstate.egress.service import Egress, EgressConfig
@@ -57,7 +58,19 @@ from . import secrets as secret_routes
 from . import template_builds as build_routes
 from . import templates as template_routes
 from . import volumes as volume_routes
-from .keys import API_KEY_ID, DATABASE, DOMAIN, ENVD_VERSION, MANAGER, RETENTION, SECRETS, TIMEOUT_LIMIT, VOLUMES
+from .idempotent import IdempotentCreates
+from .keys import (
+    API_KEY_ID,
+    DATABASE,
+    DOMAIN,
+    ENVD_VERSION,
+    IDEMPOTENT,
+    MANAGER,
+    RETENTION,
+    SECRETS,
+    TIMEOUT_LIMIT,
+    VOLUMES,
+)
 from .placement import Placer, is_create
 from .relay import RELAY, RELAYED, Relay
 from .router import DataPlane, Router, is_data_plane, target_of
@@ -317,6 +330,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app = web.Application(middlewares=[validating_middleware(), dispatch], client_max_size=MAX_JSON_BODY,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
+    app[IDEMPOTENT] = IdempotentCreates(db, manager, lambda: node_owner(node_id, membership.incarnation),
+                                        control.recorded_answer(app))
     app[DATABASE] = db
     app[RELAY] = relay
     app[nodes_api.MEMBERSHIP] = membership

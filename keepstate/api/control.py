@@ -5,6 +5,8 @@ Handlers parse with schemas.py, call the SandboxManager and render; nothing else
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +16,7 @@ from keepstate.sandbox.manager import MAX_TIMEOUT, SandboxManager
 from keepstate.sandbox.state import PUBLIC, State
 
 from . import schemas
-from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, MANAGER, TIMEOUT_LIMIT
+from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, IDEMPOTENT, MANAGER, TIMEOUT_LIMIT
 from .spec import Spec
 
 routes = web.RouteTableDef()
@@ -93,8 +95,26 @@ async def health(request: web.Request) -> web.Response:
 @routes.post("/sandboxes")
 async def create(request: web.Request) -> web.Response:
     req = schemas.parse_create(await json_body(request), timeout_limit(request))
-    row = await manager(request).create(req, request.get(API_KEY_ID))
-    return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)
+
+    async def run(sandbox_id: str | None) -> web.Response:
+        req.sandbox_id = sandbox_id
+        row = await manager(request).create(req, request.get(API_KEY_ID))
+        return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)
+
+    return await request.app[IDEMPOTENT].run(request, request.get(API_KEY_ID), run)  # api/idempotent.py
+
+
+def recorded_answer(app: web.Application) -> Callable[[str], Awaitable[str | None]]:
+    """The 201 body a create of `sandbox_id` answered, built again from its row (None: no row): what an idempotent
+    create's retry gets when the first attempt's server crashed before it stored the answer."""
+    async def answer(sandbox_id: str) -> str | None:
+        m = app[MANAGER]
+        row = m.table.find(sandbox_id) or await m.rows.peek(sandbox_id)
+        if row is None:
+            return None
+        return json.dumps(schemas.sandbox(row, app[ENVD_VERSION], app.get(DOMAIN)))
+
+    return answer
 
 
 @routes.post("/v2/sandboxes/{sandbox_id}/connect")

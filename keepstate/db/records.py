@@ -235,3 +235,19 @@ class LayerRecord:
     checkpoint_id: str
     state: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IdempotencyRecord:
+    """An idempotent create's key (docs/design/idempotency.md): the request it was first used for (`digest`), the
+    sandbox ID chosen for it, `in_progress` or `done` (with the answer), and the server incarnation running it."""
+
+    api_key_id: str
+    key: str
+    digest: str
+    sandbox_id: str
+    state: str
+    owner: str
+    response: str | None = None
+    created_at: float = 0.0
+    expires_at: float = 0.0

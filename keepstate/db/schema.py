@@ -121,6 +121,22 @@ leases = sa.Table(  # a named lease one holder at a time has, judged by the data
     _time("expires_at"),  # the database's clock
 )
 
+# -- idempotent creates (docs/design/idempotency.md) ----------------------------------------------------------------
+idempotency = sa.Table(
+    "idempotency", metadata,
+    _text("api_key_id"),  # the scope ('' for a request without an API key)
+    _text("key"),  # the client's Idempotency-Key
+    _text("digest"),  # SHA-256 of the request (method, path, canonical body)
+    _text("sandbox_id"),  # chosen before the create starts; the create uses it
+    _text("state"),  # in_progress | done
+    _text("owner"),  # node/<node>/<incarnation> of the server that runs it
+    _text("response", nullable=True),  # the 201 body once done
+    _time("created_at"),  # the database's clock
+    _time("expires_at"),
+    sa.PrimaryKeyConstraint("api_key_id", "key", name="idempotency_pkey"),
+    sa.Index("idempotency_expires", "expires_at"),
+)
+
 # -- snapshots ------------------------------------------------------------------------------------------------------
 snapshots = sa.Table(
     "snapshots", metadata,

@@ -282,10 +282,13 @@ class Checkpoints:
 
     # -- forks and creates from snapshots -----------------------------------------------------------------------
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
-                    api_key_id: str | None = None, pooled: bool = False) -> list[Spawned]:
+                    api_key_id: str | None = None, pooled: bool = False,
+                    sandbox_id: str | None = None) -> list[Spawned]:
         """Start `count` new sandboxes from one checkpoint, each with its own ID, token, address and session.
         `pooled`: for a built template's warm pool (creates.py): POOLED rows, their slots sending nothing until a
-        create claims them, each restore waiting behind every user start."""
+        create claims them, each restore waiting behind every user start. `sandbox_id`: the ID of the one sandbox
+        (`count` 1) an idempotent create chose for it (docs/design/idempotency.md)."""
+        assert sandbox_id is None or count == 1
         await self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
         built = await asyncio.to_thread(self.durable.template_for, manifest)
         image = await asyncio.to_thread(self.durable.materialise, manifest)
@@ -293,14 +296,16 @@ class Checkpoints:
         async def one() -> SandboxRow:
             try:
                 async with self.instances.starts.slot(refill=pooled):  # each child is a start of its own
-                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled)
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled,
+                                                 sandbox_id)
             except Busy:
                 raise
             except Exception as exc:  # one more try: a restored agent now and then fails to answer
                 log.warning("restore of %s for a new sandbox failed (%r); trying once more",
                             manifest.checkpoint_id, exc)
                 async with self.instances.starts.slot(refill=pooled):
-                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled)
+                    return await self._spawn_one(manifest, parent, built, image, timeout, api_key_id, pooled,
+                                                 sandbox_id)
 
         try:
             results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
@@ -316,10 +321,10 @@ class Checkpoints:
         return out
 
     async def _spawn_one(self, manifest: Manifest, parent: SandboxRow, built: Built, image: Path, timeout: int,
-                         api_key_id: str | None, pooled: bool = False) -> SandboxRow:
+                         api_key_id: str | None, pooled: bool = False, sandbox_id: str | None = None) -> SandboxRow:
         # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data), and starts with
         # its parent's network policy.
-        child_id = new_sandbox_id()
+        child_id = sandbox_id or new_sandbox_id()
         handle, slot = await self.instances.restore(image, built, row_limits(parent),
                                                     await self.instances.mounts(parent.settings.volume_mounts),
                                                     None if pooled else (child_id, parent.settings.policy))

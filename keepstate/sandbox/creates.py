@@ -60,6 +60,7 @@ class CreateRequest:
     network: dict[str, Any] = field(default_factory=dict)  # the create's policy, Policy.to_json() ({}: default)
     auto_resume: bool = False  # lifecycle autoResume: traffic to it while paused resumes it
     checkpoint_every: int = 0  # our `checkpointEvery` (seconds; 0: the server's checkpoint policy)
+    sandbox_id: str | None = None  # chosen before the create by an idempotent one (docs/design/idempotency.md)
 
 
 def check_timeout(value: Any, field_name: str = "timeout", limit: int = MAX_TIMEOUT) -> int:
@@ -185,7 +186,7 @@ class Creates:
             require(Command.CREATE, row.state, row.sandbox_id)
             old_id, ready_token = row.sandbox_id, row.access_token  # a pooled agent has a token; a cold one none
             now = time.time()
-            row.sandbox_id = new_sandbox_id()
+            row.sandbox_id = req.sandbox_id or new_sandbox_id()
             row.access_token = ready_token or secrets.token_hex(16)
             row.started_at, row.end_at = now, now + req.timeout
             row.api_key_id = api_key_id
@@ -218,7 +219,8 @@ class Creates:
         m = self.m
         checkpoint_id = snap.checkpoint_id
         held = self.snapshot_pools.get(checkpoint_id) if snap.pool else None
-        if held is not None and not req.volume_mounts:
+        # A pooled restore has its ID already: an idempotent create, whose ID was chosen first, restores anew.
+        if held is not None and not req.volume_mounts and req.sandbox_id is None:
             row = await self._claim(held, req, api_key_id)
             if row is not None:
                 return row
@@ -239,7 +241,7 @@ class Creates:
             raise Refused(f"snapshot '{snap.snapshot_id}' was taken with volume mounts {theirs or 'none'}; a "
                           "sandbox made from it gets exactly those (gVisor restores only onto the same mounts)")
         with m.places.reserve(api_key_id):  # its record is listed in the step _spawn returns in
-            result = (await m.spawn(manifest, parent, 1, req.timeout, api_key_id))[0]
+            result = (await m.spawn(manifest, parent, 1, req.timeout, api_key_id, sandbox_id=req.sandbox_id))[0]
         if result.row is None:
             assert result.error is not None
             raise result.error

@@ -508,9 +508,9 @@ class SandboxManager:
             return await self.spawn(manifest, parent, count, timeout)
 
     async def spawn(self, manifest: Manifest, parent: SandboxRow, count: int, timeout: int,
-                     api_key_id: str | None = None) -> list[Spawned]:
+                     api_key_id: str | None = None, sandbox_id: str | None = None) -> list[Spawned]:
         """Start `count` sandboxes from a checkpoint: each is born running (its row written by the restore)."""
-        results = await self.checkpoints.spawn(manifest, parent, count, timeout, api_key_id)
+        results = await self.checkpoints.spawn(manifest, parent, count, timeout, api_key_id, sandbox_id=sandbox_id)
         for r in results:
             if r.row is not None:
                 self.table.enter(r.row)

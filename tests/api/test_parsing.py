@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from keepstate.api import app as app_module
 from keepstate.api import control, events, schemas, spec
-from keepstate.api.keys import ENVD_VERSION, MANAGER
+from keepstate.api.idempotent import IdempotentCreates
+from keepstate.api.keys import ENVD_VERSION, IDEMPOTENT, MANAGER
 from keepstate.db import migrate
 from keepstate.db.engine import Database
 from keepstate.db.repos import History
@@ -294,6 +295,7 @@ async def server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
     app = web.Application(middlewares=[spec.validating_middleware(enabled=True), errors_as_json],
                           client_max_size=1 << 20)
     app[MANAGER] = cast(Any, stub)
+    app[IDEMPOTENT] = IdempotentCreates(db, cast(Any, stub), lambda: "node/local/1", control.recorded_answer(app))
     app[ENVD_VERSION] = "0.6.13"
     app[events.EVENTS] = log
     app[events.LINEAGE] = lineage

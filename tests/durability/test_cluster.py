@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from e2b import Sandbox
+from e2b import PtySize, Sandbox
 
 from keepstate.db.engine import Database
 from keepstate.db.records import SandboxRecord
@@ -104,7 +106,7 @@ def test_three_gvisor_nodes_any_node_answers_and_sessions_outlive_their_node(
     for srv in nodes.values():
         srv.key = key  # one API key for the whole cluster (the database is one)
 
-    # Created through a, used through c: commands, files, a port URL (relayed to the owner if it is not c).
+    # Created through a, used through c: commands, files, a PTY, a port URL (relayed to the owner if it is not c).
     sbx = Sandbox.create(timeout=600, **sdk_opts(nodes["a"]))
     sid = sbx.sandbox_id
     owner = row(db, sid).node_id  # type: ignore[union-attr]
@@ -112,6 +114,11 @@ def test_three_gvisor_nodes_any_node_answers_and_sessions_outlive_their_node(
     assert through_c.commands.run("echo through c").stdout.strip() == "through c"
     through_c.files.write("/home/user/kept.txt", "across nodes")
     assert sbx.files.read("/home/user/kept.txt") == "across nodes"
+    pty = through_c.pty.create(PtySize(rows=24, cols=80))  # a Connect stream both ways, over the hop
+    through_c.pty.send_stdin(pty.pid, b"tty; exit 0\n")
+    out = bytearray()
+    assert pty.wait(on_pty=lambda data: out.extend(data)).exit_code == 0
+    assert b"/dev/pts/" in out
     through_c.commands.run("cd /home/user && python3 -m http.server 8000 >/dev/null 2>&1", background=True)
     wait_until(lambda: _answers(nodes["c"], sid), 30, "the sandbox's port 8000 through c")
     assert port_get(nodes["c"], sid, 8000, "/kept.txt") == b"across nodes"
@@ -180,3 +187,63 @@ def _create(srv: Server, checkpoint_every: int) -> str:
 def _checkpoint_at(db: str, sandbox_id: str) -> float:
     found = row(db, sandbox_id)
     return float(json.loads(found.doc).get("checkpoint_at") or 0) if found is not None else 0.0
+
+
+def test_a_node_frozen_past_its_lease_does_not_run_or_write_for_a_session_that_moved(
+        fleet: Fleet, pg: PostgresServer, s3_server: S3Server) -> None:
+    """SIGSTOP of a node's server past its lease, then SIGCONT: another node resumed its running sandbox from the
+    checkpoint policy's latest checkpoint meanwhile; the node that comes back finds its incarnation gone, has its
+    writes for the session refused, destroys its own instance of it and rejoins. The session runs in one place."""
+    from keepstate.runtime.gvisor import GVisorRuntime
+
+    db = pg.createdb("frozen")
+    nodes = start_nodes(fleet, db, s3_server.url("frozen"), ("a", "b"))
+    nodes["b"].key = nodes["a"].key
+    sid = _create(nodes["a"], checkpoint_every=1)
+    before = row(db, sid)
+    assert before is not None
+    frozen, other = before.node_id, next(n for n in nodes if n != before.node_id)
+    sbx = Sandbox.connect(sid, **sdk_opts(nodes[frozen]))
+    sbx.files.write("/home/user/one-place.txt", "here")
+    counting(sbx)
+    started = time.time()
+    wait_until(lambda: _checkpoint_at(db, sid) > started, 60, "a policy checkpoint with the counter running")
+    instance = row(db, sid).runtime_name  # type: ignore[union-attr]
+    server = nodes[frozen].proc
+    assert server is not None
+    server.send_signal(signal.SIGSTOP)  # the server only: its sandbox's runsc processes are not stopped
+    try:
+        wait_until(lambda: (r := row(db, sid)) is not None and r.node_id == other and r.state == "running", 90,
+                   f"node {other} to take the sandbox over from the frozen node")
+    finally:
+        server.send_signal(signal.SIGCONT)
+    moved = row(db, sid)
+    assert moved is not None and moved.epoch == before.epoch + 1
+    runtime = GVisorRuntime(Path(nodes[frozen].home) / "sandboxes")
+    wait_until(lambda: runtime.state(instance) in ("gone", "stopped"), 60,
+               f"node {frozen} to destroy its instance of the moved sandbox")
+    wait_until(lambda: _incarnation(db, frozen) >= 2, 60, f"node {frozen} to rejoin as a new incarnation")
+    after = row(db, sid)
+    assert after is not None and (after.node_id, after.epoch) == (other, moved.epoch)  # nothing written by it
+    history = events(nodes[other], db, sid)
+    kinds = [e["kind"] for e in history]
+    moved_at = kinds.index("sandbox.node.moved")
+    assert "sandbox.node.lost" in kinds[:moved_at]
+    assert verified(nodes[other], db, sid)
+    again = Sandbox.connect(sid, **sdk_opts(nodes[frozen]))  # through the node that came back: relayed
+    assert again.files.read("/home/user/one-place.txt") == "here"
+    first = count(again)
+    wait_until(lambda: count(again) > first, 30, "the counter to run on, in one place")
+    again.kill()
+
+
+def _incarnation(db: str, node: str) -> int:
+    async def read() -> int:
+        database = Database.connect(db)
+        try:
+            found = await Nodes(database).get(node)
+            return found.incarnation if found is not None and found.state == "alive" else 0
+        finally:
+            await database.close()
+
+    return asyncio.run(read())
