@@ -119,9 +119,10 @@ class ServerConfig:
     max_timeout: int = MAX_TIMEOUT
     paused_retention: float | None = None
     retention_every: float = RETENTION_EVERY
-    # --on-stop: "keep" (sandboxes run on; the next start re-adopts them) or "pause" (each running sandbox paused to
-    # the store and its standby released before the node leaves: another node resumes it); None: "pause" for a
-    # node of a cluster, else "keep"
+    # --on-stop: "keep" (sandboxes run on; the next start re-adopts them), "pause" (each running sandbox paused to
+    # the store and its standby released before the node leaves: another node resumes it at its next call) or
+    # "handover" (paused, then handed to live nodes that resume it at once); None: "pause" for a node of a cluster,
+    # else "keep"
     on_stop: str | None = None
 
 
@@ -388,8 +389,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
 
     async def on_cleanup(app: web.Application) -> None:
         await retention.stop()
-        if (config.on_stop or ("pause" if config.node else "keep")) == "pause" and membership.fenced is None:
-            await sandbox_loops.pause_all(manager, "the node stops (--on-stop pause)")
+        on_stop = config.on_stop or ("pause" if config.node else "keep")
+        if on_stop in ("pause", "handover") and membership.fenced is None:
+            running = frozenset(r.sandbox_id for r in manager.running())
+            await sandbox_loops.pause_all(manager, f"the node stops (--on-stop {on_stop})")
+            if on_stop == "handover" and config.node is not None:  # resumed at once by the nodes that get them
+                await recovery.hand_over_paused(manager, resume=running)
         await poller.stop()  # first: its pulls go through the manager's AgentClient
         await template_builds.stop()
         await manager.stop(reap=config.reap_on_exit)

@@ -113,10 +113,12 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
                    "node `local`, never fenced. Letters, digits and '-', at most 63. KEEPSTATE_NODE too.")
 @click.option("--advertise", default=None, envvar="KEEPSTATE_ADVERTISE",
               help="The URL other nodes reach this one on (default http://<--listen>). KEEPSTATE_ADVERTISE too.")
-@click.option("--on-stop", type=click.Choice(["keep", "pause"]), default=None,
+@click.option("--on-stop", type=click.Choice(["keep", "pause", "handover"]), default=None,
               help="What a stop (SIGTERM) does with running sandboxes: `keep` them running for the next start to "
-                   "adopt, or `pause` each to the store (its standby released) so that another node can resume it. "
-                   "Default: pause for a node of a cluster (--node), else keep.")
+                   "adopt, `pause` each to the store (its standby released) so that another node can resume it at "
+                   "its next call, or `handover`: pause each and hand it to another live node, which resumes it at "
+                   "once (paused ones are handed over too). Default: pause for a node of a cluster (--node), else "
+                   "keep.")
 @click.option("--lease-ttl", type=click.FloatRange(min=1.0), default=None, envvar="KEEPSTATE_LEASE_TTL",
               help="A node's lease, seconds (default 10): renewed every fifth of it, fenced a fifth before it ends, "
                    "declared dead a whole lease after. Shorter moves a dead node's sessions sooner and puts more "

@@ -44,3 +44,16 @@ def ranked(loads: list[NodeLoad], cpu: float, memory_mb: int, template: str | No
         return sorted(group, key=lambda load: (-score(load, cpu, memory_mb, template), load.node.node_id))
 
     return [load.node for load in best_first(drawn) + best_first(rest)]
+
+
+def incompatible(node: NodeRecord, origin: NodeRecord) -> str | None:
+    """Why `node` cannot resume a checkpoint taken on `origin` (None: it can): gVisor restores only under the same
+    runsc release, on a CPU with every feature the checkpointed one had."""
+    if node.runsc_release != origin.runsc_release:
+        return (f"node {node.node_id} runs runsc {node.runsc_release or '?'}, the checkpoint was taken under "
+                f"{origin.runsc_release or '?'} on node {origin.node_id}")
+    missing = sorted(set(origin.cpu_features) - set(node.cpu_features))
+    if missing:
+        return (f"node {node.node_id}'s CPU lacks {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}, which "
+                f"node {origin.node_id}'s had when the checkpoint was taken")
+    return None

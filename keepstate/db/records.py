@@ -46,6 +46,8 @@ class SandboxRecord:
     version: int = 0  # moves on every write; every write is conditioned on it
     # When it was paused, by the database's clock (None: not paused); kept by the repository, not by its writers.
     paused_at: float | None = field(default=None, compare=False)
+    # Handed to this row's node by a node that stopped (`--on-stop handover`): to resume there at once.
+    resume_pending: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

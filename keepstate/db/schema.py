@@ -78,6 +78,8 @@ sandboxes = sa.Table(
     sa.Column("epoch", sa.BigInteger(), nullable=False, server_default=sa.text("0")),  # fencing token (issue 27)
     sa.Column("version", sa.BigInteger(), nullable=False, server_default=sa.text("0")),  # optimistic concurrency
     _time("paused_at", nullable=True),  # when it was paused, by the database's clock (0003; the repository keeps it)
+    # Handed over by a node that stopped (`--on-stop handover`): its new node resumes it at once (revision 0004).
+    sa.Column("resume_pending", sa.Boolean(), nullable=False, server_default=sa.false()),
     sa.Index("sandboxes_state", "state"),
     sa.Index("sandboxes_node_state", "node_id", "state"),
 )

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from keepstate.cluster.placement import ranked
+from keepstate.cluster.placement import incompatible, ranked
 from keepstate.db.errors import DatabaseUnavailable
 from keepstate.db.repos import Nodes
 from keepstate.db.repos.placement import Placement
-from keepstate.errors import Conflict, KeepStateError, NotFound
+from keepstate.errors import Conflict, KeepStateError, NotFound, Unavailable
 
 from .rows import LOST_STATES
 from .state import State
@@ -85,8 +85,19 @@ async def load_own(m: SandboxManager, sandbox_id: str) -> bool:
     return sandbox_id in m.table
 
 
+async def compatible(m: SandboxManager, origin: str) -> None:
+    """Unavailable (`sandbox_no_compatible_node`) if this node cannot resume a checkpoint taken on node `origin`."""
+    nodes = Nodes(m.db)
+    theirs, mine = await nodes.get(origin), await nodes.get(m.rows.node_id)
+    why = incompatible(mine, theirs) if theirs is not None and mine is not None else None
+    if why is not None:
+        raise Unavailable(f"this node cannot resume the sandbox: {why}; send the request to a compatible node",
+                          error_code="sandbox_no_compatible_node")
+
+
 async def take_over(m: SandboxManager, sandbox_id: str, owner: str) -> None:
     """Make a gone node's sandbox this node's, paused at its latest checkpoint (under the sandbox's lock)."""
+    await compatible(m, owner)
     moved = await m.rows.take_over(sandbox_id)
     if moved is None:
         raise Conflict(f"sandbox {sandbox_id} is on node {owner}, which is live (or the sandbox is neither paused "
@@ -161,6 +172,10 @@ async def adopt_lost(m: SandboxManager) -> list[str]:
             continue
         if len(resumed) >= share or not m.places.room():
             continue
+        try:
+            await compatible(m, owner)
+        except Unavailable:  # a compatible node takes it
+            continue
         timeout = max(MIN_RESUME_TIMEOUT, int(row.end_at - time.time()))
         try:
             await m.connect(row.sandbox_id, timeout)
@@ -180,16 +195,18 @@ async def lost_loop(m: SandboxManager, interval: float, serving: Callable[[], bo
         try:
             if serving():
                 await adopt_lost(m)
+                await adopt_handed(m)
             elif draining():
                 await hand_over_paused(m)
         except Exception:  # never let the loop die: the next round tries again
             log.exception("taking over the sandboxes of gone nodes, or handing paused ones over")
 
 
-async def hand_over_paused(m: SandboxManager) -> list[str]:
-    """A draining node's paused sandboxes go to the other live nodes: each standby released (its checkpoint is in the
-    shared store), then each row handed to a node placement ranks first (round robin over them), its epoch moved
-    on; the new owner loads it at its next request. The sandboxes handed over."""
+async def hand_over_paused(m: SandboxManager, resume: frozenset[str] = frozenset()) -> list[str]:
+    """A draining (or stopping) node's paused sandboxes go to the other live nodes: each standby released (its
+    checkpoint is in the shared store), then each row handed to a node placement ranks first (round robin over
+    them), its epoch moved on; the new owner loads it at its next request, or at once for those in `resume`
+    (`--on-stop handover`: they were running). The sandboxes handed over."""
     for sid in m.standbys.ids():
         await m.release_standby(sid, "the node drains")
     try:
@@ -209,7 +226,7 @@ async def hand_over_paused(m: SandboxManager) -> list[str]:
             given = held.copy()
             given.settings.standby = given.settings.retired = None  # this host's: its teardowns are this node's
             try:
-                await m.rows.hand_over(given, target.node_id)
+                await m.rows.hand_over(given, target.node_id, resume=sid in resume)
             except (KeepStateError, DatabaseUnavailable) as exc:  # changed meanwhile, or the target left: next round
                 log.info("handing paused sandbox %s over to node %s: %s", sid, target.node_id, exc)
                 continue
@@ -219,8 +236,27 @@ async def hand_over_paused(m: SandboxManager) -> list[str]:
         log.info("paused sandbox %s handed over to node %s (this node drains)", sid, target.node_id)
         await m.recorder.record(row.session_id, "sandbox.node.moved", {
             "from": m.rows.node_id, "to": target.node_id, "checkpoint": row.settings.checkpoint_id,
-            "reason": "drain"})
+            "reason": "handover" if sid in resume else "drain"})
     return moved
+
+
+async def adopt_handed(m: SandboxManager) -> list[str]:
+    """Resume the sandboxes a stopping node handed to this one to run at once; the IDs resumed."""
+    try:
+        handed = await m.rows.handed()
+    except DatabaseUnavailable:
+        return []
+    resumed = []
+    for row in handed:
+        if not m.places.room() or not await m.rows.take_handed(row.sandbox_id):
+            continue
+        try:
+            await m.connect(row.sandbox_id, max(MIN_RESUME_TIMEOUT, int(row.end_at - time.time())))
+        except KeepStateError as exc:  # it stays paused here: a call resumes it
+            log.warning("resuming sandbox %s, handed over to this node: %s", row.sandbox_id, exc)
+            continue
+        resumed.append(row.sandbox_id)
+    return resumed
 
 
 class CheckpointPolicy:

@@ -86,13 +86,24 @@ class SandboxRows:
         rec = await self._repo.take_over(sandbox_id, self.node_id, LOST_STATES, expect_version=found.version)
         return (self._row(rec), was) if rec is not None else None
 
-    async def hand_over(self, row: SandboxRow, to_node: str) -> None:
-        """Give this node's paused sandbox to the live node `to_node` (its epoch moves on): not this node's after."""
+    async def hand_over(self, row: SandboxRow, to_node: str, resume: bool = False) -> None:
+        """Give this node's paused sandbox to the live node `to_node` (its epoch moves on): not this node's after.
+        `resume`: `to_node` resumes it at once (`handed`)."""
         seen = self._seen.get(row.sandbox_id)
         if seen is None:
             raise Conflict(f"sandbox {row.sandbox_id} is not one this node has read")
-        await self._repo.hand_over(row.sandbox_id, to_node, seen[0], seen[1], doc=json.dumps(row.settings.to_json()))
+        await self._repo.hand_over(row.sandbox_id, to_node, seen[0], seen[1], doc=json.dumps(row.settings.to_json()),
+                                   resume_pending=resume)
         self._seen.pop(row.sandbox_id, None)
+
+    async def handed(self) -> builtins.list[SandboxRow]:
+        """This node's paused sandboxes handed to it to resume at once."""
+        return [self._view(rec) for rec in await self._repo.handed(self.node_id)]
+
+    async def take_handed(self, sandbox_id: str) -> bool:
+        """Claim a handed sandbox's resume (one round of one node does it); False if it was claimed already."""
+        self._seen.pop(sandbox_id, None)  # its version moves: read again when it is loaded
+        return await self._repo.take_handed(sandbox_id, self.node_id)
 
     async def on_gone_nodes(self, limit: int = 100) -> builtins.list[tuple[SandboxRow, str, int, int]]:
         """Sandboxes that were running (or on their way) on a node that is gone, with (that node, the row's version,

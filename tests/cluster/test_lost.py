@@ -297,3 +297,63 @@ async def test_a_draining_node_hands_its_paused_sessions_to_the_others(postgres:
             assert (await b.manager.recorder.events.verify(paused)).ok
             status, info = await a.call("GET", f"/sandboxes/{running}")  # a still serves what runs on it
             assert status == 200 and info["state"] == "running"
+
+
+async def test_a_node_stopping_with_on_stop_handover_has_its_sandboxes_resumed_at_once_elsewhere(
+        postgres: PostgresServer, tmp_path: Path) -> None:  # noqa: F811
+    url = postgres.createdb(f"lost_{secrets.token_hex(6)}")
+    store = f"file://{tmp_path / 'store'}"
+    async with contextlib.AsyncExitStack() as on_a:
+        a = await on_a.enter_async_context(serving(node="a", db_url=url, store_url=store, lease=LEASE, pool_size=0,
+                                                   on_stop="handover"))
+        status, made = await a.call("POST", "/sandboxes", {"templateID": "base", "timeout": 600})
+        assert status == 201, made
+        sid, token = made["sandboxID"], made["envdAccessToken"]
+        await write_file(a, sid, token, "/home/user/handed.txt", b"resumed at once")
+        async with serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE, pool_size=0) as b:
+            await on_a.aclose()  # SIGTERM: paused, handed to b, and a leaves
+
+            async def running_on_b() -> bool:
+                row = b.manager.table.find(sid)
+                return row is not None and row.state == "running"
+
+            await until(running_on_b, "b to resume the handed-over sandbox, unasked")
+            assert await read_file(b, sid, token, "/home/user/handed.txt") == b"resumed at once"
+            row = await Sandboxes(b.manager.db).get(sid)
+            assert row is not None and row.node_id == "b" and not row.resume_pending
+            moves = [e.data for e in await b.manager.recorder.events.read(sid) if e.kind == "sandbox.node.moved"]
+            assert [(m["from"], m["to"], m.get("reason")) for m in moves] == [("a", "b", "handover")]
+
+
+async def test_a_node_that_cannot_resume_a_checkpoint_does_not_take_it_over(postgres: PostgresServer,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    """A resume needs the runsc release and the CPU features the checkpoint was taken under: a node with another
+    release refuses (503 `sandbox_no_compatible_node`) and leaves the sandbox for a compatible node."""
+    import sqlalchemy as sa
+
+    from keepstate.db.schema import nodes as nodes_table
+
+    url = postgres.createdb(f"lost_{secrets.token_hex(6)}")
+    store = f"file://{tmp_path / 'store'}"
+    async with serving(node="a", db_url=url, store_url=store, lease=LEASE, pool_size=0) as a:
+        status, made = await a.call("POST", "/sandboxes", {"templateID": "base", "timeout": 600})
+        assert status == 201, made
+        sid = made["sandboxID"]
+        assert (await a.call("POST", f"/sandboxes/{sid}/pause"))[0] == 204
+        await cut_off(a)
+        async with serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE, pool_size=0) as b:
+            async with b.manager.db.transaction() as conn:  # a's checkpoints were taken under another runsc
+                await conn.execute(sa.update(nodes_table).where(nodes_table.c.node_id == "a")
+                                   .values(runsc_release="release-of-another-day"))
+            nodes = Nodes(b.manager.db)
+
+            async def dead() -> bool:
+                found = await nodes.get("a")
+                return found is not None and found.state == "dead"
+
+            await until(dead, "a declared dead")
+            status, body = await b.call("POST", f"/sandboxes/{sid}/connect", {"timeout": 60})
+            assert status == 503 and body["error_code"] == "sandbox_no_compatible_node", body
+            assert "release-of-another-day" in body["message"]
+            row = await Sandboxes(b.manager.db).get(sid)
+            assert row is not None and row.node_id == "a"  # left for a compatible node

@@ -110,3 +110,17 @@ async def test_creates_through_one_node_spread_and_skip_a_drained_node(postgres:
             owner = await s.manager.rows.owner(made["sandboxID"])
             assert owner in ("a", "b")
         assert len(c.manager.listed()) == before
+
+
+def test_a_checkpoint_resumes_only_under_its_runsc_release_on_a_cpu_with_its_features() -> None:
+    from keepstate.cluster.placement import incompatible
+
+    origin = NodeRecord(node_id="a", address="", cpus=1, memory_mb=1, max_sandboxes=1, runsc_release="r1",
+                        cpu_features=("avx2", "sse4_2"))
+    same = NodeRecord(node_id="b", address="", cpus=1, memory_mb=1, max_sandboxes=1, runsc_release="r1",
+                      cpu_features=("avx2", "avx512f", "sse4_2"))
+    assert incompatible(same, origin) is None
+    assert "avx2" in str(incompatible(NodeRecord(node_id="c", address="", cpus=1, memory_mb=1, max_sandboxes=1,
+                                                 runsc_release="r1", cpu_features=("sse4_2",)), origin))
+    assert "r2" in str(incompatible(NodeRecord(node_id="d", address="", cpus=1, memory_mb=1, max_sandboxes=1,
+                                               runsc_release="r2", cpu_features=("avx2", "sse4_2")), origin))

@@ -163,6 +163,20 @@ class Sandboxes:
                 raise Conflict(f"sandbox {sandbox_id} is not paused, or node {to_node} is not alive")
         return record(SandboxRecord, row)
 
+    async def handed(self, node_id: str) -> builtins.list[SandboxRecord]:
+        """The node's paused rows handed to it to resume at once (`resume_pending`: `--on-stop handover`)."""
+        query = sa.select(sandboxes).where(_c.node_id == node_id, _c.state == "paused", _c.resume_pending)
+        async with self.db.read() as conn:
+            return [record(SandboxRecord, r) for r in await conn.execute(query.order_by(_c.sandbox_id))]
+
+    async def take_handed(self, sandbox_id: str, node_id: str) -> bool:
+        """Clear a handed row's `resume_pending` (the node resumes it now); False if it was not pending any more."""
+        async with self.db.transaction() as conn:
+            done = await conn.execute(sandboxes.update().where(
+                _c.sandbox_id == sandbox_id, _c.node_id == node_id, _c.resume_pending)
+                .values(resume_pending=False, version=_c.version + 1))
+            return done.rowcount == 1
+
     async def on_gone_nodes(self, states: Collection[str], limit: int = 100) -> builtins.list[SandboxRecord]:
         """Sandboxes in `states` whose node is gone (dead, left or removed): what a live node takes over."""
         gone = sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES))

@@ -1,5 +1,7 @@
 """Idempotent creates (docs/design/idempotency.md): one row per (API key, Idempotency-Key), with the request's digest,
-the sandbox ID chosen before the create ran, its state and owner, and the answer once done.
+the sandbox ID chosen before the create ran, its state and owner, and the answer once done. And
+`sandboxes.resume_pending`: a paused sandbox handed to a node by one that stopped with `--on-stop handover`, which
+its new node resumes at once (docs/design/cluster.md).
 
 Revision ID: 0004
 Revises: 0003
@@ -28,8 +30,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("api_key_id", "key", name="idempotency_pkey"),
     )
     op.create_index("idempotency_expires", "idempotency", ["expires_at"])
+    with op.batch_alter_table("sandboxes") as batch:
+        batch.add_column(sa.Column("resume_pending", sa.Boolean(), nullable=False, server_default=sa.false()))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("sandboxes") as batch:
+        batch.drop_column("resume_pending")
     op.drop_index("idempotency_expires", table_name="idempotency")
     op.drop_table("idempotency")
