@@ -86,10 +86,10 @@ class Unavailable(KeepStateError):
 
 class Full(Unavailable):
     """A limit of places is reached: an immediate retry is refused again; one after `retry_after` may find one (a
-    sandbox ended meanwhile)."""
+    sandbox ended meanwhile). E2B's `sandbox_capacity_unavailable`."""
 
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after: int, error_code: str = "sandbox_capacity_unavailable") -> None:
+        super().__init__(message, error_code=error_code)
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
@@ -97,8 +97,8 @@ class Full(Unavailable):
 
 
 class Busy(Unavailable):
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after: int, error_code: str | None = None) -> None:
+        super().__init__(message, error_code=error_code)
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
@@ -108,6 +108,9 @@ class Busy(Unavailable):
 class Draining(Unavailable):
     """This node takes no creates (an operator drained it): another node must, and asking this one again will not
     help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_code="sandbox_capacity_unavailable")
 
     def headers(self) -> dict[str, str]:
         return {"Should-Retry": "false"}

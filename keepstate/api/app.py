@@ -71,7 +71,7 @@ from .keys import (
     TIMEOUT_LIMIT,
     VOLUMES,
 )
-from .placement import Placer, is_create
+from .placement import CREATE_PATHS, PLACER, Placer, is_create
 from .relay import RELAY, RELAYED, Relay
 from .router import DataPlane, Router, is_data_plane, target_of
 from .spec import Spec, validating_middleware
@@ -175,8 +175,12 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return web.json_response({"code": exc.status, "message": exc.reason}, status=exc.status, headers=allow)
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"},
-                                 status=500, headers={"Should-Retry": "false"})
+        if request.method == "POST" and request.path in CREATE_PATHS:  # E2B: this node could not, this time: retry
+            return web.json_response({"code": 500, "message": f"the sandbox could not be created: "
+                                      f"{type(exc).__name__}: {exc}", "error_code": "sandbox_create_failed"},
+                                     status=500, headers={"Should-Retry": "true"})
+        return web.json_response({"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}",
+                                  "error_code": "internal_server_error"}, status=500, headers={"Should-Retry": "false"})
 
 
 def runtime_for(config: ServerConfig) -> tuple[Runtime, Templates]:
@@ -331,6 +335,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     app = web.Application(middlewares=[validating_middleware(), dispatch], client_max_size=MAX_JSON_BODY,
                           handler_args={"max_field_size": 65536})
     app[MANAGER] = manager
+    if placer is not None:
+        app[PLACER] = placer
     app[IDEMPOTENT] = IdempotentCreates(db, manager, lambda: node_owner(node_id, membership.incarnation),
                                         control.recorded_answer(app))
     app[DATABASE] = db

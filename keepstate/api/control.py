@@ -253,8 +253,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 @routes.post("/sandboxes/{sandbox_id}/pause")
 async def pause(request: web.Request) -> web.Response:
-    memory = schemas.parse_pause_body(await object_body(request))
-    await manager(request).pause(sid(request), memory=memory)
+    memory, require_healthy = schemas.parse_pause_body(await object_body(request))
+    await manager(request).pause(sid(request), memory=memory, require_healthy=require_healthy)
     return web.Response(status=204)
 
 

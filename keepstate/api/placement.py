@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class Placer:
     def __init__(self, db: Database, node_id: str, room: Callable[[], bool] = lambda: True) -> None:
         self.node_id = node_id
         self.room = room  # whether this node's own admission has a place now (its figures are ahead of the rows')
+        self.rng = random.Random()  # draws the K candidates (a test seeds it)
         self.placement = Placement(db)
         self._http: aiohttp.ClientSession | None = None
 
@@ -59,7 +61,7 @@ class Placer:
             log.warning("placement could not read the nodes (%s): creating here", exc)
             return None
         refused: list[str] = []
-        for node in ranked(loads, *ask):
+        for node in ranked(loads, *ask, rng=self.rng):
             if node.node_id == self.node_id:
                 if self.room():
                     return None
@@ -72,7 +74,7 @@ class Placer:
             return None  # no other node to try: this one says why it cannot (draining, full)
         why = "; ".join(refused)
         busy = Busy(f"no node of the cluster can take a sandbox now ({why}); retry in {RETRY_AFTER_S} s",
-                    retry_after=RETRY_AFTER_S)
+                    retry_after=RETRY_AFTER_S, error_code="sandbox_capacity_unavailable")
         return web.json_response(busy.body(), status=busy.status, headers=busy.headers())
 
     async def _forward(self, request: web.Request, node: NodeRecord, body: bytes,
@@ -126,3 +128,6 @@ def _message(data: bytes) -> str:
     except (ValueError, AttributeError):
         found = None
     return str(found) if found else data[:200].decode(errors="replace")
+
+
+PLACER = web.AppKey("placer", Placer)  # a node's placement (tests seed its draws)

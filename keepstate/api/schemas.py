@@ -331,9 +331,13 @@ def _whole(value: Any, low: int, high: int, message: str) -> int:
     return value
 
 
-def parse_pause_body(body: dict[str, Any]) -> bool:
-    """`{"memory"?: bool}` of a pause: whether to keep memory (default true)."""
-    return _memory(body)
+def parse_pause_body(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`{"memory"?: bool, "requireHealthyGuest"?: bool}` of a pause (SDK 2.63): (keep memory, default true; refuse
+    unless the agent answers, default false)."""
+    healthy = body.get("requireHealthyGuest", False)
+    if not isinstance(healthy, bool):
+        raise BadRequest("`requireHealthyGuest` must be a boolean")
+    return _memory(body), healthy
 
 
 def parse_snapshot_body(body: dict[str, Any]) -> tuple[str | None, bool]:
@@ -402,6 +406,8 @@ def detail(row: SandboxRow, envd_version: str, domain: str | None = None) -> dic
     out = _common(row, envd_version, domain)
     if PUBLIC.get(row.state) == "paused":
         out["pauseMode"] = "filesystem" if row.settings.files_only else "full"
+        if row.settings.envd_unresponsive:
+            out["envdUnresponsiveAtPause"] = True
     out.update({
         "envdAccessToken": row.access_token, "trafficAccessToken": row.settings.traffic_token,
         "allowInternetAccess": row.settings.policy.allow_internet_access,

@@ -149,7 +149,8 @@ class StartQueue:
         self.refused += 1
         seconds = self.retry_after()
         return Busy(f"this host is busy starting sandboxes ({self.running} starting, {len(self._users)} waiting, "
-                    f"at most {self.max_starts} at once); retry in {seconds} s", retry_after=seconds)
+                    f"at most {self.max_starts} at once); retry in {seconds} s", retry_after=seconds,
+                    error_code="sandbox_capacity_unavailable")
 
 
 @dataclass

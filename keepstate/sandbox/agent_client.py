@@ -50,6 +50,7 @@ SETTLE = 0.05  # after closing connections, before a checkpoint: how often the h
 SETTLE_MAX = 2.0  # how long the sandbox may take to answer those closes before the checkpoint goes ahead
 HOST_CALL_TIMEOUT = aiohttp.ClientTimeout(total=30)
 FILES_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=120)  # a pause's files: any size
+HEALTH_TIMEOUT = 3.0  # a pause asks the agent once; one that does not answer in this long is unresponsive
 
 
 class Quiesced(Exception):
@@ -205,6 +206,16 @@ class AgentClient:
                 raise RuntimeFailure(f"agent of {sandbox_id} did not answer within {timeout:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.1)
+
+    async def healthy(self, sandbox_id: str, address: str, timeout: float | None = None) -> bool:
+        """Whether the agent answers /health within `timeout` seconds (HEALTH_TIMEOUT) now (a pause's check)."""
+        limit = aiohttp.ClientTimeout(total=timeout or HEALTH_TIMEOUT)
+        try:
+            async with self._call(sandbox_id) as http, \
+                    http.get(agent_url(address) + "/health", timeout=limit) as r:
+                return r.status < 300
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
 
     async def init(self, sandbox_id: str, address: str, body: dict[str, Any], previous_token: str | None) -> None:
         headers = {"X-Access-Token": previous_token} if previous_token else {}

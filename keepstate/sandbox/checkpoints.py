@@ -74,18 +74,19 @@ class Checkpoints:
         self.runtime = runtime
         self.host_name = host_name
 
-    async def take(self, row: SandboxRow, kind: str) -> Manifest:
+    async def take(self, row: SandboxRow, kind: str, agent_answers: bool = True) -> Manifest:
         """Checkpoint the row's instance. A pause freezes it first and leaves it frozen (its standby); any failure
-        thaws it, so it runs on from where it was."""
+        thaws it, so it runs on from where it was. `agent_answers`: False for an agent known not to answer (a
+        guest-health pause): it is not asked for its journal or its ports."""
         session = row.session_id
         parent_id = row.settings.checkpoint_id
         checkpoint_id = new_checkpoint_id()
         self.agents.wake(row.sandbox_id)  # frozen while idle: thawed for the journal's last pull and the capture
-        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind, pull=agent_answers)
         pausing = kind == "pause"
         handle = handle_of(row)
         frozen = False
-        listening = await self._listening(row)
+        listening = await self._listening(row) if agent_answers else None
         try:
             async with self.agents.quiesce(row.sandbox_id, hold=not pausing, address=row.address):
                 frozen_from = time.time()

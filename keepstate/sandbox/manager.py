@@ -27,7 +27,7 @@ from keepstate.db.repos import Keys
 from keepstate.db.setup import LOCAL_NODE
 from keepstate.egress.policy import Policy
 from keepstate.egress.service import Egress, EgressConfig
-from keepstate.errors import BadRequest, Conflict, Draining, NotFound, Unsupported
+from keepstate.errors import BadRequest, Conflict, Draining, NotFound, Unavailable, Unsupported
 from keepstate.runtime.base import Runtime
 from keepstate.session import SessionRecorder
 from keepstate.session.journal import JournalBusy
@@ -365,6 +365,10 @@ class SandboxManager:
         """A paused sandbox runs again: a place of its key's, and a new instance unless its standby thaws. Looked
         at before RESUMING, which holds them from then on."""
         if row.state == State.PAUSED:
+            if row.settings.envd_unresponsive and not row.settings.files_only:
+                raise Conflict(f"sandbox {row.sandbox_id} was paused while its agent did not answer: restoring that "
+                               "memory would bring the unresponsive agent back",
+                               error_code="sandbox_snapshot_guest_agent_unresponsive")
             await self._read_key_limit(row.api_key_id)
             self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
 
@@ -389,22 +393,30 @@ class SandboxManager:
         await self.recorder.resumed(row.session_id, row.settings.checkpoint_id, self.host_name,
                                     agent_url=agent_url(row.address), token=row.access_token, source=source)
 
-    async def pause(self, sandbox_id: str, memory: bool = True) -> str:
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> str:
         async with self.table.command(sandbox_id, Command.PAUSE if memory else Command.PAUSE_FILESYSTEM,
                                       admit=self._admit_pause if not memory else None) as step:
-            return await self._pause(step, memory)
+            return await self._pause(step, memory, require_healthy)
 
     async def _admit_pause(self, row: SandboxRow) -> None:
         if not row.settings.disk_mb:
             raise Unsupported(f"sandbox {row.sandbox_id} keeps its files in memory (it was started by a release "
                               "before the disk): it can only pause with memory")
 
-    async def _pause(self, step: Step, memory: bool = True) -> str:
+    async def _pause(self, step: Step, memory: bool = True, require_healthy: bool = False) -> str:
         """Checkpoint the sandbox and stop its instance. Without memory only its files are kept, the instance is
-        torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md)."""
+        torn down once they are published, and a resume cold-boots a new one with them (docs/design/sandbox-disk.md).
+        An agent that does not answer is recorded on the pause (a resume with memory is then refused), or refuses
+        it (503, the sandbox runs on) with `require_healthy` or without memory (its files need the agent)."""
         row = step.row
+        self.idle.wake(row.sandbox_id)
+        healthy = await self.agents.healthy(row.sandbox_id, row.address)
+        if not healthy and (require_healthy or not memory):
+            raise Unavailable(f"sandbox {row.sandbox_id}'s agent does not answer: not paused"
+                              f"{' (requireHealthyGuest)' if memory else ' (a filesystem-only pause needs it)'}")
+        row.settings.envd_unresponsive = not healthy
         self.agents.abort(row.sandbox_id)  # in-flight streams end now; new requests get 502 (not RUNNING)
-        manifest = await (self.checkpoints.take(row, "pause") if memory else self.checkpoints.take_files(row))
+        manifest = await (self.checkpoints.take(row, "pause", healthy) if memory else self.checkpoints.take_files(row))
         instance = row.instance()
         await asyncio.to_thread(self.egress.detach, row.slot, row.sandbox_id)  # a paused sandbox sends nothing
         row.settings.checkpoint_id = manifest.checkpoint_id

@@ -62,6 +62,7 @@ class Settings:
     starting_timeout: int = 0  # the create's timeout, seconds: what an auto-resume gives it (0: the default)
     checkpoint_every: int = 0  # our `checkpointEvery`: seconds between policy checkpoints (0: the server's policy)
     checkpoint_at: float = 0.0  # when its latest checkpoint was taken (0: never, or before this was kept)
+    envd_unresponsive: bool = False  # its agent did not answer when it was paused (E2B's envdUnresponsiveAtPause)
 
     @property
     def policy(self) -> Policy:
@@ -109,6 +110,7 @@ class Settings:
             starting_timeout=int(pick("starting_timeout", default=0) or 0),
             checkpoint_every=int(pick("checkpoint_every", default=0) or 0),
             checkpoint_at=float(pick("checkpoint_at", default=0.0) or 0.0),
+            envd_unresponsive=bool(pick("envd_unresponsive", default=False)),
         )
 
 

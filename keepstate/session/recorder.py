@@ -50,17 +50,18 @@ class SessionRecorder:
         return await self.events.append(session_id, kind, data)
 
     async def checkpoint_begin(self, session_id: str, checkpoint_id: str, parent_id: str | None,
-                               kind: str) -> EventRef:
-        """Pull the journal, append the `checkpoint` event; put the returned ref into the manifest's `event`.
+                               kind: str, pull: bool = True) -> EventRef:
+        """Pull the journal (unless `pull` is false: an agent known not to answer), append the `checkpoint` event;
+        put the returned ref into the manifest's `event`.
 
         Call right before freezing the sandbox. A failed pull is logged, not raised: the entries stay in the
         agent's journal (captured by the checkpoint) and are pulled later.
         """
         cursor = await self.events.journal_cursor(session_id) or 0
-        if self.poller is not None and session_id in self.poller.tracked():
+        if pull and self.poller is not None and session_id in self.poller.tracked():
             try:
                 cursor = await self.poller.pull_now(session_id)
-            except JournalError as exc:
+            except (JournalError, TimeoutError) as exc:
                 log.warning("journal pull before checkpoint %s of %s failed: %s", checkpoint_id, session_id, exc)
         ev = await self.events.append(session_id, "checkpoint", {
             "checkpoint_id": checkpoint_id, "parent_id": parent_id, "kind": kind, "journal_cursor": cursor})

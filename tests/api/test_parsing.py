@@ -188,12 +188,14 @@ def test_timeout_bodies() -> None:
 
 
 def test_pause_snapshot_and_fork_bodies() -> None:
-    assert schemas.parse_pause_body({}) is True and schemas.parse_pause_body({"memory": False}) is False
+    assert schemas.parse_pause_body({}) == (True, False)
+    assert schemas.parse_pause_body({"memory": False}) == (False, False)
+    assert schemas.parse_pause_body({"requireHealthyGuest": True}) == (True, True)
     assert schemas.parse_snapshot_body({}) == (None, True)
     assert schemas.parse_snapshot_body({"name": "n", "memory": False}) == ("n", False)
     assert schemas.parse_fork_body({}) == (1, 300)
     assert schemas.parse_fork_body({"count": 3.0, "timeout": 60}) == (3, 60)
-    pauses: list[dict[str, Any]] = [{"memory": "no"}, {"memory": 0}, {"memory": None}]
+    pauses: list[dict[str, Any]] = [{"memory": "no"}, {"memory": 0}, {"memory": None}, {"requireHealthyGuest": 1}]
     for bad in pauses:
         with pytest.raises(BadRequest):
             schemas.parse_pause_body(bad)
