@@ -247,3 +247,33 @@ def _incarnation(db: str, node: str) -> int:
             await database.close()
 
     return asyncio.run(read())
+
+
+def test_a_template_built_on_one_node_makes_sandboxes_on_another(
+        fleet: Fleet, pg: PostgresServer, s3_server: S3Server) -> None:
+    """`Template.build` through node a (its build sandbox runs on a; the template's checkpoint goes to the shared
+    store, its record to the shared database); a is drained; a create from the template through a lands on b and
+    has what the build put there."""
+    import secrets
+
+    from e2b import Template
+
+    db = pg.createdb("built")
+    nodes = start_nodes(fleet, db, s3_server.url("built"), ("a", "b"))
+    key = nodes["b"].key = nodes["a"].key
+    name = f"cross-node-{secrets.token_hex(4)}"
+    built = Template().from_template("base").run_cmd("echo built on a > /home/user/origin.txt")
+    Template.build(built, name, cpu_count=1, memory_mb=1024, api_key=key, api_url=nodes["a"].url)
+
+    async def drain() -> None:
+        database = Database.connect(db)
+        try:
+            assert await Nodes(database).drain("a")
+        finally:
+            await database.close()
+
+    asyncio.run(drain())
+    sbx = Sandbox.create(name, timeout=120, **sdk_opts(nodes["a"]))  # placed: a takes no creates now
+    assert row(db, sbx.sandbox_id).node_id == "b"  # type: ignore[union-attr]
+    assert sbx.files.read("/home/user/origin.txt").strip() == "built on a"
+    sbx.kill()
