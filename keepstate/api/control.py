@@ -148,13 +148,6 @@ async def metrics_of_many(request: web.Request) -> web.Response:
     return web.json_response({"sandboxes": manager(request).latest_metrics(ids)})
 
 
-def refuse_without_memory(request: web.Request, what: str) -> None:
-    """`memory: false` on a fork or snapshot: a 501 (a 404 for an unknown sandbox, as the call itself would
-    answer)."""
-    manager(request).get(sid(request))
-    raise Unsupported(f"{what} without memory is not supported by this server: fork or snapshot with memory")
-
-
 def refuse_reboot(request: web.Request) -> None:
     """A resume with `memory: false` (on_resume="reboot"): what any resume of a sandbox paused without memory does,
     and a no-op for a running one; a sandbox paused with memory keeps its files inside its memory image, so it
@@ -261,9 +254,7 @@ async def pause(request: web.Request) -> web.Response:
 @routes.post("/sandboxes/{sandbox_id}/snapshots")
 async def create_snapshot(request: web.Request) -> web.Response:
     name, memory = schemas.parse_snapshot_body(await object_body(request))
-    if memory is False:
-        raise Unsupported("filesystem-only snapshots (memory: false) are not supported by the gVisor runtime")
-    info = await manager(request).snapshot(sid(request), name)
+    info = await manager(request).snapshot(sid(request), name, memory=memory)
     return web.json_response(info, status=201)
 
 
@@ -302,9 +293,7 @@ async def delete_snapshot(request: web.Request) -> web.Response:
 async def fork(request: web.Request) -> web.Response:
     body = await object_body(request)
     count, timeout = schemas.parse_fork_body(body, timeout_limit(request))
-    if not schemas.parse_fork_memory(body):
-        refuse_without_memory(request, "a fork")
-    results = await manager(request).fork(sid(request), count, timeout)
+    results = await manager(request).fork(sid(request), count, timeout, memory=schemas.parse_fork_memory(body))
     out = []
     for r in results:
         if r.row is not None:

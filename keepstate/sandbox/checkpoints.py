@@ -139,7 +139,7 @@ class Checkpoints:
             ports = self.instances.templates.service_ports(built.name)
         return [p for p in ports if p != AGENT_PORT]
 
-    async def take_files(self, row: SandboxRow) -> Manifest:
+    async def take_files(self, row: SandboxRow, kind: str = "pause") -> Manifest:
         """A filesystem-only pause's checkpoint: the agent's export of the sandbox's files (its processes stopped
         meanwhile, continued after), ingested as `files.tar`. The instance is left running; the caller tears it
         down once the checkpoint is published."""
@@ -147,20 +147,20 @@ class Checkpoints:
         parent_id = row.settings.checkpoint_id
         checkpoint_id = new_checkpoint_id()
         self.agents.wake(row.sandbox_id)
-        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, "pause")
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
         spool = self.durable.files_spool()
         started = time.monotonic()
         try:
             size = await self.agents.export_files(row.sandbox_id, row.address, row.access_token,
                                                   spool / FILES_ARCHIVE)
             exported = time.monotonic()
-            manifest = await self._ingest(row, spool, "pause", parent_id, ref, checkpoint_id, memory=False)
+            manifest = await self._ingest(row, spool, kind, parent_id, ref, checkpoint_id, memory=False)
         except BaseException as exc:
             shutil.rmtree(spool, ignore_errors=True)
             if isinstance(exc, Exception):
                 await self.recorder.checkpoint_failed(session, checkpoint_id, str(exc))
             raise
-        await self.recorder.checkpoint_published(session, checkpoint_id, parent_id, "pause", ref)
+        await self.recorder.checkpoint_published(session, checkpoint_id, parent_id, kind, ref)
         log.info("filesystem checkpoint %s of %s: %d bytes exported in %.0f ms, ingest %.0f ms", checkpoint_id,
                  row.sandbox_id, size, (exported - started) * 1000, (time.monotonic() - exported) * 1000)
         return manifest
@@ -326,9 +326,11 @@ class Checkpoints:
         # A fork mounts the same volumes (shared, not copied: a checkpoint holds no volume data), and starts with
         # its parent's network policy.
         child_id = sandbox_id or new_sandbox_id()
-        handle, slot = await self.instances.restore(image, built, row_limits(parent),
-                                                    await self.instances.mounts(parent.settings.volume_mounts),
-                                                    None if pooled else (child_id, parent.settings.policy))
+        memory = has_memory(manifest)  # a filesystem-only snapshot's children are cold boots with its files
+        mounts = await self.instances.mounts(parent.settings.volume_mounts)
+        network = None if pooled else (child_id, parent.settings.policy)
+        handle, slot = await (self.instances.restore(image, built, row_limits(parent), mounts, network) if memory
+                              else self.instances.boot(built, row_limits(parent), mounts, network))
         assert handle.endpoint is not None
         now = time.time()
         settings = replace(parent.settings, session_id=child_id, checkpoint_id=manifest.checkpoint_id,
@@ -344,9 +346,14 @@ class Checkpoints:
         await self.instances.rows.put(row)
         try:
             await self.agents.wait_ready(child_id, row.address, RESTORED_AGENT_TIMEOUT)
-            await self.instances.wait_ports(row, self.restored_ports(manifest, built), RESTORED_PORTS_TIMEOUT)
-            await self.instances.init_agent(row, await self.gateway.env(row), previous_token=parent.access_token,
-                                            fork=True)
+            if memory:
+                await self.instances.wait_ports(row, self.restored_ports(manifest, built), RESTORED_PORTS_TIMEOUT)
+                await self.instances.init_agent(row, await self.gateway.env(row), previous_token=parent.access_token,
+                                                fork=True)
+            else:
+                await self.agents.apply_files(child_id, row.address, image / FILES_ARCHIVE)
+                await self.instances.wait_services(row, built)
+                await self.instances.init_agent(row, await self.gateway.env(row))
         except BaseException:
             await self.instances.reap(row)
             raise

@@ -464,11 +464,16 @@ class SandboxManager:
         for sandbox_id, why in self.standbys.due(time.time()):
             await self.release_standby(sandbox_id, why)
 
-    async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
+    async def snapshot(self, sandbox_id: str, name: str | None, memory: bool = True) -> dict[str, Any]:
+        """A snapshot of a running sandbox, which runs on: its memory, processes and files, or (`memory` false) its
+        files only (its processes stopped while they are exported; a sandbox made from it is a cold boot)."""
         if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 128):
             raise BadRequest("`name` must be a non-empty string of at most 128 characters")
-        async with self.table.command(sandbox_id, Command.SNAPSHOT) as step:
-            manifest = await self._capture(step, "snapshot")
+        async with self.table.command(sandbox_id, Command.SNAPSHOT, admit=None if memory else self._admit_pause) \
+                as step:
+            # Files only: not the row's own latest checkpoint (a resume or a take-over restores memory from that).
+            manifest = await (self._capture(step, "snapshot") if memory else self.checkpoints.take_files(step.row,
+                                                                                                     "snapshot"))
             row = step.row
         snapshot_id = f"snapshot-{manifest.checkpoint_id.lower()}"
         names = [name.strip()] if name else [snapshot_id]
@@ -507,15 +512,19 @@ class SandboxManager:
             return snap
         return await self.template_resolver(ref) if self.template_resolver is not None else None
 
-    async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[Spawned]:
+    async def fork(self, sandbox_id: str, count: int, timeout: int, memory: bool = True) -> list[Spawned]:
+        """`count` diverging copies of a running sandbox: restored from its memory, or (`memory` false) cold boots
+        with its files (E2B's filesystem-only fork)."""
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"`count` must be a whole number from 1 to {MAX_FORKS}")
         with contextlib.ExitStack() as places:
-            async with self.table.command(sandbox_id, Command.FORK) as step:
+            async with self.table.command(sandbox_id, Command.FORK, admit=None if memory else self._admit_pause) \
+                    as step:
                 await self._read_key_limit(step.row.api_key_id)
                 # All the children's places or none, before the parent is checkpointed.
                 places.enter_context(self.places.reserve(step.row.api_key_id, host=count, key=count))
-                manifest = await self._capture(step, "fork")
+                manifest = await (self._capture(step, "fork") if memory else self.checkpoints.take_files(step.row,
+                                                                                                       "fork"))
                 parent = step.row.copy()
             return await self.spawn(manifest, parent, count, timeout)
 

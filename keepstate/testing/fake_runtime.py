@@ -210,6 +210,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(value).encode())
 
     def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":  # a streamed upload (apply_files)
+            out = bytearray()
+            while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                out += self.rfile.read(size)
+                self.rfile.readline()  # the CRLF after the chunk
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers, then the blank line
+                pass
+            return bytes(out)
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def _gate(self) -> bool:

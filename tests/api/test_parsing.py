@@ -352,11 +352,12 @@ async def test_good_bodies_reach_the_manager(client: Any) -> None:
     assert stub.calls[0][1][0].timeout == 60 and stub.calls[1][1] == ("abc", 30)
 
 
-async def test_unsupported_memory_false_is_501(client: Any) -> None:
-    c, _ = client
-    resp = await c.post("/sandboxes/abc/snapshots", json={"memory": False})
-    _assert_error(resp.status, await resp.json(), 501)
-    assert resp.headers["Should-Retry"] == "false"
+async def test_memory_false_snapshots_and_forks_reach_the_manager(client: Any) -> None:
+    c, stub = client  # filesystem-only snapshots and forks are served (tests/sandbox/test_files_only_copies.py)
+    for path in ("/sandboxes/abc/snapshots", "/v2/sandboxes/abc/fork"):
+        resp = await c.post(path, json={"memory": False})
+        _assert_error(resp.status, await resp.json(), 404)  # the stub knows no sandbox: it was asked
+    assert [name for name, _ in stub.calls[-2:]] == ["snapshot", "fork"]
 
 
 @pytest.mark.parametrize("path", [
