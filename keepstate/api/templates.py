@@ -56,6 +56,7 @@ async def _described(request: web.Request) -> list[dict[str, Any]]:
             for name, built in await asyncio.to_thread(_built, request)]
 
 
+@routes.get("/v2/templates")
 @routes.get("/templates")
 async def list_templates(request: web.Request) -> web.Response:
     from .template_builds import BUILDS, described

@@ -177,6 +177,7 @@ async def test_templates_are_listed_and_found_by_alias(served: Served) -> None:
     sid, _ = await create(s)
     after = {t["templateID"]: t for t in (await s.call("GET", "/templates"))[1]}
     assert after["base"]["spawnCount"] == spawned + 1 and after["base"]["lastSpawnedAt"] is not None
+    assert (await s.call("GET", "/v2/templates")) == (200, list(after.values()))  # newer SDKs' route, same answer
     assert after["code-interpreter-v1"]["spawnCount"] == by_name["code-interpreter-v1"]["spawnCount"]
 
     assert await s.call("GET", "/templates/aliases/base") == (200, {"templateID": "base", "public": True})
