@@ -74,3 +74,15 @@ async def test_the_reaper_declares_nobody_dead_when_most_leases_look_expired(dat
     assert await nodes.expire(grace_s=0.1, max_dead_fraction=0.5) == []  # 3 of 4: the database's outage, not deaths
     assert {n.state for n in await nodes.list()} == {"alive"}
     assert len(await nodes.expire(grace_s=0.1, max_dead_fraction=0.8)) == 3
+
+
+async def test_concurrent_joins_of_one_new_name_each_get_an_incarnation(database: Database) -> None:
+    """Two servers started with the same --node at once: neither fails on the row's creation; each gets its own
+    incarnation, and only the last one holds the row (the others' renewals are refused)."""
+    nodes = Nodes(database)
+    joined = await asyncio.gather(*(nodes.join(node("twin"), ttl_s=10) for _ in range(5)))
+    assert sorted(j.incarnation for j in joined) == [1, 2, 3, 4, 5]
+    holder = max(j.incarnation for j in joined)
+    for j in joined:
+        renewed = await nodes.renew("twin", j.incarnation, ttl_s=10)
+        assert (renewed is not None) == (j.incarnation == holder)

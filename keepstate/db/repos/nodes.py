@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from keepstate.db.engine import Conn, Database
 from keepstate.db.records import NodeRecord
+from keepstate.db.repos._sql import insert_or_ignore
 from keepstate.db.schema import nodes
 
 _c = nodes.c
@@ -53,13 +54,15 @@ class Nodes:
             "cpu_features": json.dumps(list(node.cpu_features)), "templates": json.dumps(list(node.templates)),
             "metrics": node.metrics, "state": "alive", "joined_at": now, "lease_expires_at": now + ttl_s}
         async with self.db.transaction() as conn:
-            found = (await conn.execute(sa.select(_c.incarnation).where(_c.node_id == node.node_id)
-                                        .with_for_update())).first()
-            if found is None:
-                await conn.execute(nodes.insert().values(node_id=node.node_id, incarnation=1, **values))
-            else:
-                await conn.execute(nodes.update().where(_c.node_id == node.node_id)
-                                   .values(incarnation=_c.incarnation + 1, **values))
+            # Two joins of one new name at once: the row is made by whichever inserts first (the other's insert is
+            # ignored, after waiting for it on PostgreSQL), then each moves the incarnation on under the row's lock;
+            # the later join holds it, and the earlier finds its renewals refused (it rejoins, or its operator sees
+            # two servers claim one name).
+            await conn.execute(insert_or_ignore(self.db.kind, nodes, ["node_id"], {
+                "node_id": node.node_id, "incarnation": 0, **values, "state": "left"}))
+            await conn.execute(sa.select(_c.incarnation).where(_c.node_id == node.node_id).with_for_update())
+            await conn.execute(nodes.update().where(_c.node_id == node.node_id)
+                               .values(incarnation=_c.incarnation + 1, **values))
             stored = await _get(conn, node.node_id)
         assert stored is not None
         return stored
