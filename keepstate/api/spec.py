@@ -39,8 +39,9 @@ METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
 
 def _template_key(path: str) -> str:
-    """`/sandboxes/{sandbox_id}/fork` and `/sandboxes/{sandboxID}/fork` are the same route."""
-    return re.sub(r"\{[^}/]*\}", "{}", path)
+    """`/sandboxes/{sandbox_id}/fork` and `/sandboxes/{sandboxID}/fork` are the same route (and so is aiohttp's
+    `{sandbox_id:regex}`)."""
+    return re.sub(r"\{[A-Za-z_]\w*(?::[^{}]*)?\}", "{}", path)
 
 
 @dataclass

@@ -81,3 +81,30 @@ async def alias(request: web.Request) -> web.Response:
     if snap is not None:
         return web.json_response({"templateID": snap.snapshot_id, "public": False})
     raise NotFound(f"template '{name}' not found")
+
+
+@routes.get("/templates/{template_id:(?!tags$)[^/]+}")  # not `/templates/tags` (POST, DELETE: tags)
+async def get_template(request: web.Request) -> web.Response:
+    """E2B's template detail (`TemplateWithBuilds`): the template as `GET /templates` lists it, and its builds, the
+    newest first (a TOML template has one: its current build). `limit`/`nextToken` are accepted; one page holds
+    every build."""
+    from .template_builds import BUILDS, described
+
+    ref = request.match_info["template_id"]
+    for t in await _described(request):
+        if ref in (t["templateID"], *t["aliases"]):
+            return web.json_response({**t, "builds": [{
+                "buildID": t["buildID"], "status": "ready", "createdAt": t["createdAt"], "updatedAt": t["updatedAt"],
+                "finishedAt": t["updatedAt"], "cpuCount": t["cpuCount"], "memoryMB": t["memoryMB"],
+                "diskSizeMB": t["diskSizeMB"], "envdVersion": t["envdVersion"]}]})
+    builds = request.app[BUILDS]
+    for t in await described(builds):
+        if ref in (t["templateID"], *t["aliases"]):
+            records = sorted(await builds.templates.builds(t["templateID"]), key=lambda b: b.created_at,
+                             reverse=True)
+            return web.json_response({**t, "builds": [{
+                "buildID": b.build_id, "status": b.status, "createdAt": rfc3339(b.created_at),
+                "updatedAt": rfc3339(b.finished_at or b.created_at),
+                **({"finishedAt": rfc3339(b.finished_at)} if b.finished_at else {}),
+                "cpuCount": t["cpuCount"], "memoryMB": t["memoryMB"]} for b in records]})
+    raise NotFound(f"template '{ref}' not found")

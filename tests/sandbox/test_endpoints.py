@@ -178,6 +178,15 @@ async def test_templates_are_listed_and_found_by_alias(served: Served) -> None:
     after = {t["templateID"]: t for t in (await s.call("GET", "/templates"))[1]}
     assert after["base"]["spawnCount"] == spawned + 1 and after["base"]["lastSpawnedAt"] is not None
     assert (await s.call("GET", "/v2/templates")) == (200, list(after.values()))  # newer SDKs' route, same answer
+    status, detail = await s.call("GET", "/templates/base?limit=10")  # E2B's TemplateWithBuilds
+    assert status == 200 and detail["templateID"] == "base" and detail["spawnCount"] == spawned + 1
+    assert [b["buildID"] for b in detail["builds"]] == [after["base"]["buildID"]]
+    assert detail["builds"][0]["status"] == "ready"
+    from e2b.api.client.models import TemplateWithBuilds  # the stock SDK's model reads it
+
+    assert TemplateWithBuilds.from_dict(detail).builds[0].build_id.hex == detail["buildID"].replace("-", "")
+    status, body = await s.call("GET", "/templates/no-such-template")
+    assert status == 404 and "no-such-template" in body["message"]
     assert after["code-interpreter-v1"]["spawnCount"] == by_name["code-interpreter-v1"]["spawnCount"]
 
     assert await s.call("GET", "/templates/aliases/base") == (200, {"templateID": "base", "public": True})
