@@ -132,7 +132,8 @@ class Creates:
         d = built.defaults
         row = await m.instances.start(built, self.limits(built), refill=True)
         row.access_token = secrets.token_hex(16)
-        row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir)
+        row.settings = Settings(template_env=dict(d.env), user=d.user, workdir=d.workdir,
+                                from_image=row.settings.from_image)
         try:
             await m.instances.init_agent(row, dict(d.env))
         except BaseException:
@@ -142,9 +143,13 @@ class Creates:
         return row
 
     def pooled(self, built: Built, limits: Limits) -> SandboxRow | None:
-        """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)."""
+        """A warm sandbox of exactly this build and these limits, if its pool has one (a filesystem-only resume)
+        booted on its own: one restored from the build's boot image shares that boot (its kernel's boot_id), and a
+        filesystem-only resume is a new boot (E2B's SDK tests check it), so it boots anew instead."""
         pool = self.m.pools.get(built.digest)
-        return self.take(pool) if pool is not None and limits == self.limits(built) else None
+        if pool is None or limits != self.limits(built) or any(r.settings.from_image for r in pool.ready()):
+            return None
+        return self.take(pool)
 
     def take(self, pool: WarmPool) -> SandboxRow | None:
         """A pooled sandbox, thawed if the idle freezer froze it (its ID changes now: the waker would not know it)."""

@@ -109,6 +109,7 @@ class Instances:
         row = SandboxRow(sandbox_id=spec.name, state=State.POOLED, template_id=built.name,
                          template_digest=built.digest, runtime_name=spec.name, slot=slot, address="",
                          access_token="", started_at=now, end_at=now, cpu=limits.cpu, memory_mb=limits.memory_mb)
+        row.settings.from_image = image is not None
         await self.rows.put(row)
         self.slots.bind(slot, spec.name)
         try:

@@ -63,6 +63,7 @@ class Settings:
     checkpoint_every: int = 0  # our `checkpointEvery`: seconds between policy checkpoints (0: the server's policy)
     checkpoint_at: float = 0.0  # when its latest checkpoint was taken (0: never, or before this was kept)
     envd_unresponsive: bool = False  # its agent did not answer when it was paused (E2B's envdUnresponsiveAtPause)
+    from_image: bool = False  # a pooled instance restored from its build's boot image (not a boot of its own)
 
     @property
     def policy(self) -> Policy:
@@ -111,6 +112,7 @@ class Settings:
             checkpoint_every=int(pick("checkpoint_every", default=0) or 0),
             checkpoint_at=float(pick("checkpoint_at", default=0.0) or 0.0),
             envd_unresponsive=bool(pick("envd_unresponsive", default=False)),
+            from_image=bool(pick("from_image", default=False)),
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 from keepstate.runtime import cgroups
 from keepstate.testing import FakeRuntime
@@ -133,3 +134,28 @@ async def test_restored_gvisor_sandboxes_are_each_its_own() -> None:
         async with s.http.get(f"{s.url}/files", params={"path": "/home/user/who", "username": "user"},
                               headers={"E2b-Sandbox-Id": made[1][0], "X-Access-Token": made[2][1]}) as r:
             assert r.status == 401
+
+
+async def test_a_filesystem_only_resume_is_a_boot_of_its_own_not_the_images(tmp_path: Path) -> None:
+    """A pooled sandbox restored from the build's boot image shares that boot (its kernel's boot_id); a
+    filesystem-only resume is a new boot (E2B's SDK checks a new boot_id), so it boots anew rather than claim one."""
+    async with serving(pool_size=1, boot_images=True, store_url=f"file://{tmp_path / 'store'}") as s:
+        async with asyncio.timeout(30):
+            while not s.manager.pools or not next(iter(s.manager.pools.values())).ready():  # the first boot
+                await asyncio.sleep(0.05)
+        pool = next(iter(s.manager.pools.values()))
+        status, made = await s.call("POST", "/sandboxes", {"templateID": "base", "timeout": 300})  # claims it
+        assert status == 201, made
+        sid, token = made["sandboxID"], made["envdAccessToken"]
+        async with asyncio.timeout(30):
+            while not pool.ready():  # refilled: restored from the image the first boot captured
+                await asyncio.sleep(0.05)
+        assert all(r.settings.from_image for r in pool.ready())
+        await write_file(s, sid, token, "/home/user/kept.txt", b"across a new boot")
+        assert (await s.call("POST", f"/sandboxes/{sid}/pause", {"memory": False}))[0] == 204
+        boots = s.runtime.calls.get("create", 0)
+        status, _ = await s.call("POST", f"/v2/sandboxes/{sid}/connect", {"timeout": 60})
+        assert status == 201
+        assert s.runtime.calls.get("create", 0) == boots + 1  # booted, not the image's restore taken from the pool
+        assert len(pool.ready()) == 1
+        assert await read_file(s, sid, token, "/home/user/kept.txt") == b"across a new boot"
