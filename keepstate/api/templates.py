@@ -65,6 +65,13 @@ async def list_templates(request: web.Request) -> web.Response:
     return web.json_response(await _described(request) + built)
 
 
+@routes.get("/default-templates")
+async def default_templates(request: web.Request) -> web.Response:
+    """E2B's platform templates: here, the server's own (`base`, `code-interpreter-v1` and any other TOML
+    definition), in `GET /templates`' shape; templates built through the API are the caller's, not defaults."""
+    return web.json_response(await _described(request))
+
+
 @routes.get("/templates/aliases/{alias}")
 async def alias(request: web.Request) -> web.Response:
     name = request.match_info["alias"]

@@ -178,6 +178,8 @@ async def test_templates_are_listed_and_found_by_alias(served: Served) -> None:
     after = {t["templateID"]: t for t in (await s.call("GET", "/templates"))[1]}
     assert after["base"]["spawnCount"] == spawned + 1 and after["base"]["lastSpawnedAt"] is not None
     assert (await s.call("GET", "/v2/templates")) == (200, list(after.values()))  # newer SDKs' route, same answer
+    status, defaults = await s.call("GET", "/default-templates")  # the server's own: both TOML definitions
+    assert status == 200 and {t["templateID"] for t in defaults} == {"base", "code-interpreter-v1"}
     status, detail = await s.call("GET", "/templates/base?limit=10")  # E2B's TemplateWithBuilds
     assert status == 200 and detail["templateID"] == "base" and detail["spawnCount"] == spawned + 1
     assert [b["buildID"] for b in detail["builds"]] == [after["base"]["buildID"]]
