@@ -13,10 +13,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -236,13 +235,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                            secret_value=secret_store.value),
                              checkpoint_every=config.checkpoint_every)
     router = Router(manager)
-    hold = FenceHold(manager)
-    held: set[asyncio.Task[None]] = set()
-
-    def in_order(step: Coroutine[Any, Any, None]) -> None:  # FenceHold's lock keeps holds and releases in order
-        task = asyncio.get_running_loop().create_task(step)
-        held.add(task)
-        task.add_done_callback(held.discard)
+    hold = FenceHold(manager)  # its lock keeps holds and releases in the order they were asked for
+    in_order = manager.instances.in_background  # run after the membership's callback returns; drained at stop
 
     async def lost() -> None:
         await hold.reconcile()
@@ -260,7 +254,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
                                 if membership.state == "draining" else None)
     keys = KeyCache(Keys(db))
     relay = Relay(db, node_id)
-    placer = Placer(db, node_id, manager.places.room) if config.node is not None else None  # one host: its own
+    placer = Placer(db, node_id, relay.client, manager.places.room) if config.node is not None else None
     template_builds = TemplateBuilds(manager, db, config.home)
     retention = Retention(manager, config.paused_retention, config.retention_every)  # sandbox/retention.py
     retention.serving = lambda: membership.fenced is None
@@ -283,8 +277,6 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             target = target_of(request)
             if target is not None and (relayed := await relay_to_owner(request, target[0])) is not None:
                 return relayed
-            if target is not None and config.node is not None and manager.table.find(target[0]) is None:
-                await recovery.on_request(manager, target[0])  # a gone node's: taken over here (sandbox/recovery.py)
             return await to_router(request)
         # The content API authenticates with each volume's own token (api/volumes.py), never the API key.
         # A build context's upload URL carries its own signature (builds/uploads.py): the SDK sends no API key.
@@ -320,8 +312,10 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             except KeepStateError:  # the database is away: this node answers what it can
                 return None
             if owner is None:  # this node's (loaded if a draining node handed it here), a gone node's, or none
-                if config.node is not None:
-                    await recovery.load_own(manager, sandbox_id)
+                if config.node is not None and is_data_plane(request):
+                    await recovery.on_request(manager, sandbox_id)  # a gone node's: taken over here
+                elif config.node is not None:
+                    await recovery.load_own(manager, sandbox_id)  # a gone node's: a connect or resume takes it
                 return None
             answer = await relay.forward(request, owner, last=last)
             if answer is not None:
@@ -414,8 +408,6 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
             await gateway.close()
         await router.stop()
         await relay.close()
-        if placer is not None:
-            await placer.close()
         durable.close()
         for task in membership_task:
             task.cancel()

@@ -109,9 +109,12 @@ def recorded_answer(app: web.Application) -> Callable[[str], Awaitable[str | Non
     create's retry gets when the first attempt's server crashed before it stored the answer."""
     async def answer(sandbox_id: str) -> str | None:
         m = app[MANAGER]
-        row = m.table.find(sandbox_id) or await m.rows.peek(sandbox_id)
+        row = m.table.find(sandbox_id)
         if row is None:
-            return None
+            found = await m.rows.peek(sandbox_id)
+            if found is None:
+                return None
+            row = found[1]
         return json.dumps(schemas.sandbox(row, app[ENVD_VERSION], app.get(DOMAIN)))
 
     return answer

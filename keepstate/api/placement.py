@@ -41,12 +41,13 @@ def is_create(request: web.Request) -> bool:
 
 
 class Placer:
-    def __init__(self, db: Database, node_id: str, room: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, db: Database, node_id: str, client: Callable[[], aiohttp.ClientSession],
+                 room: Callable[[], bool] = lambda: True) -> None:
         self.node_id = node_id
+        self.client = client  # the relay's session (api/relay.py): one pool of connections to the other nodes
         self.room = room  # whether this node's own admission has a place now (its figures are ahead of the rows')
         self.rng = random.Random()  # draws the K candidates (a test seeds it)
         self.placement = Placement(db)
-        self._http: aiohttp.ClientSession | None = None
 
     async def place(self, request: web.Request) -> web.StreamResponse | None:
         """The chosen node's answer to this create; None: this node answers it (it came first, or the database
@@ -79,29 +80,21 @@ class Placer:
 
     async def _forward(self, request: web.Request, node: NodeRecord, body: bytes,
                        refused: list[str]) -> web.Response | None:
-        if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}}
         headers[RELAYED] = self.node_id
         try:
-            async with self._http.post(node.address + str(request.rel_url), data=body, headers=headers) as answer:
+            async with self.client().post(node.address + str(request.rel_url), data=body, headers=headers) as answer:
                 data = await answer.read()
                 if answer.status == 503:
                     refused.append(f"node {node.node_id}: {_message(data)}")
                     return None
-                kept = {k: v for k, v in answer.headers.items()
-                        if k.lower() not in HOP_BY_HOP | {"content-length", "content-encoding"}}
+                kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}}
                 return web.Response(body=data, status=answer.status, headers=kept)
         except (aiohttp.ClientError, TimeoutError) as exc:
             refused.append(f"node {node.node_id} does not answer at {node.address}")
             log.info("placing a create on node %s (%s) failed: %r; trying the next", node.node_id, node.address,
                      exc)
             return None
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
 
 
 def _ask(body: bytes) -> tuple[float, int, str | None] | None:

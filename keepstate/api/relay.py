@@ -102,7 +102,9 @@ class Relay:
         return web.json_response({"code": 421, "message": f"node {self.node_id} {why} (sandbox {sandbox_id})"},
                                  status=421)
 
-    def _client(self) -> aiohttp.ClientSession:
+    def client(self) -> aiohttp.ClientSession:
+        """The one client session this node's hops to other nodes go through (its relays, its placed creates):
+        bodies as they came, never decompressed."""
         if self._http is None:
             self._http = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=5), connector=aiohttp.TCPConnector(limit=0))
@@ -119,7 +121,7 @@ class Relay:
             return await self._websocket(request, owner, headers, last)
         body = request.content.iter_any() if request.body_exists else None
         try:
-            async with self._client().request(request.method, owner.address + str(request.rel_url),
+            async with self.client().request(request.method, owner.address + str(request.rel_url),
                                               headers=headers, data=body, allow_redirects=False) as upstream:
                 if upstream.status == 421 and body is None and not last:
                     return None
@@ -150,7 +152,7 @@ class Relay:
         # aiohttp makes the handshake's own (key, version, subprotocols offered, extensions) for the hop
         headers = {k: v for k, v in headers.items() if not k.lower().startswith("sec-websocket")}
         try:
-            upstream = await self._client().ws_connect(owner.address + str(request.rel_url), headers=headers,
+            upstream = await self.client().ws_connect(owner.address + str(request.rel_url), headers=headers,
                                                        protocols=protocols, autoclose=False)
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status == 421 and not last:

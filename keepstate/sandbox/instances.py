@@ -248,7 +248,8 @@ class Instances:
         return bool(row.runtime_name)
 
     def in_background(self, teardown: Coroutine[Any, Any, None]) -> None:
-        """Run a teardown after the caller has answered; drain() waits for every one of them."""
+        """Run work after the caller has answered (a teardown; a fenced node's hold: app.py); drain() waits for every
+        one of them."""
         task = asyncio.get_running_loop().create_task(teardown, name=getattr(teardown, "__qualname__", None))
         self._background.add(task)
         task.add_done_callback(self._background_done)

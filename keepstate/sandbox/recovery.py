@@ -32,6 +32,8 @@ from .rows import LOST_STATES
 from .state import State
 
 if TYPE_CHECKING:
+    from keepstate.db.records import NodeRecord
+
     from .manager import SandboxManager
     from .record import SandboxRow
 
@@ -53,13 +55,8 @@ async def known(m: SandboxManager, sandbox_id: str) -> None:
         if owner is not None and owner != m.rows.node_id:
             await take_over(m, sandbox_id, owner)
             return
-        if owner == m.rows.node_id:  # handed to this node by a draining one (hand_over_paused): its row says so
-            row = await m.rows.get(sandbox_id)
-            if row is not None and row.state == State.PAUSED:
-                row.runtime_name, row.slot, row.address = "", -1, ""
-                row.settings.standby = row.settings.retired = None  # the other host's
-                m.table.enter(row)
-                return
+        if owner == m.rows.node_id and await _enter_own(m, sandbox_id):
+            return
         row = await asyncio.to_thread(m.checkpoints.paused_row, sandbox_id)
         if row is None:
             raise NotFound(f"sandbox \"{sandbox_id}\" not found")
@@ -72,6 +69,18 @@ async def known(m: SandboxManager, sandbox_id: str) -> None:
             await m.recorder.lineage.record_session(row.session_id, row.template_id)
 
 
+async def _enter_own(m: SandboxManager, sandbox_id: str) -> bool:
+    """Enter a paused row of this node's that the table does not know (a draining or stopping node handed it over:
+    hand_over_paused); False if the row is not that. Under the sandbox's lock."""
+    row = await m.rows.get(sandbox_id)
+    if row is None or row.state != State.PAUSED:
+        return False
+    row.runtime_name, row.slot, row.address = "", -1, ""
+    row.settings.standby = row.settings.retired = None  # the other host's
+    m.table.enter(row)
+    return True
+
+
 async def load_own(m: SandboxManager, sandbox_id: str) -> bool:
     """Whether this node holds the sandbox, loading it first if its row is this node's but the table does not know
     it (a draining node handed it over: hand_over_paused)."""
@@ -79,25 +88,35 @@ async def load_own(m: SandboxManager, sandbox_id: str) -> bool:
         return True
     try:
         if await m.rows.owner(sandbox_id) == m.rows.node_id:
-            await known(m, sandbox_id)
+            async with m.table.lock(sandbox_id):
+                if sandbox_id not in m.table:
+                    await _enter_own(m, sandbox_id)
     except (KeepStateError, DatabaseUnavailable) as exc:
         log.info("loading sandbox %s from its row: %s", sandbox_id, exc)
     return sandbox_id in m.table
 
 
-async def compatible(m: SandboxManager, origin: str) -> None:
-    """Unavailable (`sandbox_no_compatible_node`) if this node cannot resume a checkpoint taken on node `origin`."""
+async def compatible(m: SandboxManager, origin: str) -> NodeRecord | None:
+    """Node `origin`'s record (None: it never joined); Unavailable (`sandbox_no_compatible_node`) if this node
+    cannot resume a checkpoint taken on it."""
     nodes = Nodes(m.db)
     theirs, mine = await nodes.get(origin), await nodes.get(m.rows.node_id)
     why = incompatible(mine, theirs) if theirs is not None and mine is not None else None
     if why is not None:
         raise Unavailable(f"this node cannot resume the sandbox: {why}; send the request to a compatible node",
                           error_code="sandbox_no_compatible_node")
+    return theirs
+
+
+def resume_timeout(end_at: float) -> int:
+    """The timeout a sandbox resumed by this node unasked runs with: what its own had left, MIN_RESUME_TIMEOUT at
+    least."""
+    return max(MIN_RESUME_TIMEOUT, int(end_at - time.time()))
 
 
 async def take_over(m: SandboxManager, sandbox_id: str, owner: str) -> None:
     """Make a gone node's sandbox this node's, paused at its latest checkpoint (under the sandbox's lock)."""
-    await compatible(m, owner)
+    origin = await compatible(m, owner)
     moved = await m.rows.take_over(sandbox_id)
     if moved is None:
         raise Conflict(f"sandbox {sandbox_id} is on node {owner}, which is live (or the sandbox is neither paused "
@@ -109,7 +128,7 @@ async def take_over(m: SandboxManager, sandbox_id: str, owner: str) -> None:
     if row.settings.checkpoint_id is None:
         raise Conflict(f"sandbox {sandbox_id} of node {owner} has no checkpoint to resume from")
     if was is not None:
-        await m.recorder.record(row.session_id, "sandbox.node.lost", await _loss(m, row, was, owner))
+        await m.recorder.record(row.session_id, "sandbox.node.lost", await _loss(m, row, was, owner, origin))
         log.warning("took over running sandbox %s from node %s, which is gone: it resumes from checkpoint %s",
                     sandbox_id, owner, row.settings.checkpoint_id)
     else:
@@ -118,9 +137,10 @@ async def take_over(m: SandboxManager, sandbox_id: str, owner: str) -> None:
                             {"from": owner, "to": m.rows.node_id, "checkpoint": row.settings.checkpoint_id})
 
 
-async def _loss(m: SandboxManager, row: SandboxRow, was: SandboxRow, owner: str) -> dict[str, object]:
-    """What a running sandbox lost with its node: the window from its checkpoint to the node's end."""
-    node = await Nodes(m.db).get(owner)
+async def _loss(m: SandboxManager, row: SandboxRow, was: SandboxRow, owner: str,
+                node: NodeRecord | None) -> dict[str, object]:
+    """What a running sandbox lost with its node (`node`, its record): the window from its checkpoint to the node's
+    end."""
     last = await m.recorder.events.head(row.session_id)
     ended = node.lease_expires_at if node is not None else time.time()
     at = was.settings.checkpoint_at
@@ -131,20 +151,22 @@ async def _loss(m: SandboxManager, row: SandboxRow, was: SandboxRow, owner: str)
 
 
 async def on_request(m: SandboxManager, sandbox_id: str) -> None:
-    """A request on the data plane (a port URL, the agent's API) for a sandbox that no live node holds: one of a gone
-    node is taken over here, and resumed at once if it was running there (its latest checkpoint); a paused one is
-    this node's now, and its traffic is answered as for any paused sandbox (autoResume wakes it)."""
+    """A request on the data plane (a port URL, the agent's API) for a sandbox that no live node holds: one handed to
+    this node is loaded; one of a gone node is taken over here, and resumed at once if it was running there (its
+    latest checkpoint); a paused one is this node's now, and its traffic is answered as for any paused sandbox
+    (autoResume wakes it)."""
     if sandbox_id in m.table:
         return
     try:
-        found = await m.rows.node_of(sandbox_id)
-        if found is None or found[0] == m.rows.node_id:
+        found = await m.rows.peek(sandbox_id)
+        if found is None:
             return
-        if found[1] in LOST_STATES:
-            peeked = await m.rows.peek(sandbox_id)
-            end_at = peeked.end_at if peeked is not None else 0.0
-            await m.connect(sandbox_id, max(MIN_RESUME_TIMEOUT, int(end_at - time.time())))
-        elif found[1] == "paused":
+        node, row = found
+        if node == m.rows.node_id:  # handed to this node: loaded
+            await load_own(m, sandbox_id)
+        elif row.state in LOST_STATES:
+            await m.connect(sandbox_id, resume_timeout(row.end_at))
+        elif row.state == State.PAUSED:
             await known(m, sandbox_id)
     except (KeepStateError, DatabaseUnavailable) as exc:  # a live node holds it, or it cannot move: answered as is
         log.info("a request for sandbox %s did not take it over: %s", sandbox_id, exc)
@@ -173,14 +195,9 @@ async def adopt_lost(m: SandboxManager) -> list[str]:
         if len(resumed) >= share or not m.places.room():
             continue
         try:
-            await compatible(m, owner)
-        except Unavailable:  # a compatible node takes it
-            continue
-        timeout = max(MIN_RESUME_TIMEOUT, int(row.end_at - time.time()))
-        try:
-            await m.connect(row.sandbox_id, timeout)
-        except KeepStateError as exc:  # another node took it first, or it could not resume here
-            log.info("taking over sandbox %s of node %s: %s", row.sandbox_id, owner, exc)
+            await m.connect(row.sandbox_id, resume_timeout(row.end_at))
+        except KeepStateError as exc:  # another node took it first, it cannot be resumed here (a compatible node
+            log.info("taking over sandbox %s of node %s: %s", row.sandbox_id, owner, exc)  # takes it), or it failed
             continue
         resumed.append(row.sandbox_id)
     return resumed
@@ -233,7 +250,7 @@ async def hand_over_paused(m: SandboxManager, resume: frozenset[str] = frozenset
             m.table.forget(sid)
             m.idle.forget(sid)
         moved.append(sid)
-        log.info("paused sandbox %s handed over to node %s (this node drains)", sid, target.node_id)
+        log.info("paused sandbox %s handed over to node %s (this node drains or stops)", sid, target.node_id)
         await m.recorder.record(row.session_id, "sandbox.node.moved", {
             "from": m.rows.node_id, "to": target.node_id, "checkpoint": row.settings.checkpoint_id,
             "reason": "handover" if sid in resume else "drain"})
@@ -251,7 +268,7 @@ async def adopt_handed(m: SandboxManager) -> list[str]:
         if not m.places.room() or not await m.rows.take_handed(row.sandbox_id):
             continue
         try:
-            await m.connect(row.sandbox_id, max(MIN_RESUME_TIMEOUT, int(row.end_at - time.time())))
+            await m.connect(row.sandbox_id, resume_timeout(row.end_at))
         except KeepStateError as exc:  # it stays paused here: a call resumes it
             log.warning("resuming sandbox %s, handed over to this node: %s", row.sandbox_id, exc)
             continue

@@ -119,15 +119,10 @@ class SandboxRows:
             return False
         return True
 
-    async def peek(self, sandbox_id: str) -> SandboxRow | None:
-        """The row as stored, to look at (not to write: its version is not remembered)."""
+    async def peek(self, sandbox_id: str) -> tuple[str, SandboxRow] | None:
+        """(its node, the row) as stored, to look at (not to write: its version is not remembered); None: no row."""
         found = await self._repo.get(sandbox_id)
-        return self._view(found) if found is not None else None
-
-    async def node_of(self, sandbox_id: str) -> tuple[str, str] | None:
-        """(node, state) of the row now (None: no row)."""
-        found = await self._repo.get(sandbox_id)
-        return (found.node_id, found.state) if found is not None else None
+        return (found.node_id, self._view(found)) if found is not None else None
 
     async def holder(self, sandbox_id: str) -> tuple[str, int] | None:
         """(node, epoch) of the sandbox's row now (None: no row)."""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,29 @@ from ..sandbox.test_races import read_file, write_file
 LEASE = (1.0, 0.1, 0.4)  # TTL, renewal, fence margin: a node declared dead within seconds
 
 
-async def until(check: Any, what: str, seconds: float = 30.0) -> None:
-    async with asyncio.timeout(seconds):
-        while not await check():
-            await asyncio.sleep(0.05)
+async def until(check: Callable[[], Any], what: str, seconds: float = 30.0) -> None:
+    """Until `check()` (a plain or an async predicate) holds; TimeoutError naming `what` after `seconds`."""
+    async def holds() -> bool:
+        value = check()
+        return bool(await value if inspect.isawaitable(value) else value)
+
+    try:
+        async with asyncio.timeout(seconds):
+            while not await holds():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise TimeoutError(f"gave up after {seconds:g} s waiting for {what}") from None
+
+
+async def declared_dead(s: Served, node: str) -> None:
+    """Until `s`'s reaper has declared `node` dead."""
+    nodes = Nodes(s.manager.db)
+
+    async def dead() -> bool:
+        found = await nodes.get(node)
+        return found is not None and found.state == "dead"
+
+    await until(dead, f"{node} declared dead")
 
 
 async def checkpointed(s: Served, sid: str) -> float:
@@ -115,8 +136,7 @@ async def test_a_running_session_survives_its_node_from_its_latest_checkpoint(
 
             # a comes back: its incarnation is gone, it destroys its instance of the moved sandbox, and rejoins.
             del a.app[MEMBERSHIP].renew_once
-            await until(lambda: _false_then(lambda: a.app is not None and a.app[MEMBERSHIP].fenced is None),
-                        "a rejoins")
+            await until(lambda: a.app is not None and a.app[MEMBERSHIP].fenced is None, "a rejoins")
             assert sid not in a.manager.records
             assert runtime.statuses().get(instance, "gone") in ("gone", "stopped")
             node_a = await Nodes(b.manager.db).get("a")
@@ -133,10 +153,6 @@ async def exists(s: Served, sid: str, token: str, path: str) -> bool:
                           headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token}) as r:
         assert r.status in (200, 404), await r.text()
         return r.status == 200
-
-
-async def _false_then(check: Any) -> bool:
-    return bool(check())
 
 
 async def test_a_running_sandbox_without_a_checkpoint_is_declared_lost(postgres: PostgresServer,  # noqa: F811
@@ -184,14 +200,14 @@ async def test_a_fenced_node_holds_its_sandboxes_still_and_releases_them_when_it
 
         egress.detach = detach  # type: ignore[method-assign]
         await cut_off(a)
-        await until(lambda: _false_then(lambda: membership.fenced is not None), "the fence")
-        await until(lambda: _false_then(lambda: a.manager.runtime.idle_frozen(handle)), "the freeze")
+        await until(lambda: membership.fenced is not None, "the fence")
+        await until(lambda: a.manager.runtime.idle_frozen(handle), "the freeze")
         assert a.manager.records[sid].slot in detached  # its egress cut
         status, _ = await a.call("GET", f"/sandboxes/{sid}")
         assert status == 503  # a fenced node serves nothing for its sandboxes
         del membership.renew_once  # the same incarnation renews in time: nothing was taken from it
-        await until(lambda: _false_then(lambda: membership.fenced is None), "the fence lifted")
-        await until(lambda: _false_then(lambda: not a.manager.runtime.idle_frozen(handle)), "the thaw")
+        await until(lambda: membership.fenced is None, "the fence lifted")
+        await until(lambda: not a.manager.runtime.idle_frozen(handle), "the thaw")
         status, info = await a.call("GET", f"/sandboxes/{sid}")
         assert status == 200 and info["state"] == "running"
 
@@ -211,13 +227,7 @@ async def test_a_request_on_the_data_plane_takes_a_paused_sandbox_of_a_dead_node
         assert (await a.call("POST", f"/sandboxes/{sid}/pause"))[0] == 204
         await cut_off(a)
         async with serving(node="b", db_url=url, store_url=store, key=a.key, lease=LEASE, pool_size=0) as b:
-            nodes = Nodes(b.manager.db)
-
-            async def dead() -> bool:
-                found = await nodes.get("a")
-                return found is not None and found.state == "dead"
-
-            await until(dead, "a declared dead")
+            await declared_dead(b, "a")
             assert sid not in b.manager.records  # nobody asked for it yet: paused ones move on demand
             assert await read_file(b, sid, token, "/home/user/woken.txt") == b"by its traffic"
             row = await Sandboxes(b.manager.db).get(sid)
@@ -345,13 +355,7 @@ async def test_a_node_that_cannot_resume_a_checkpoint_does_not_take_it_over(post
             async with b.manager.db.transaction() as conn:  # a's checkpoints were taken under another runsc
                 await conn.execute(sa.update(nodes_table).where(nodes_table.c.node_id == "a")
                                    .values(runsc_release="release-of-another-day"))
-            nodes = Nodes(b.manager.db)
-
-            async def dead() -> bool:
-                found = await nodes.get("a")
-                return found is not None and found.state == "dead"
-
-            await until(dead, "a declared dead")
+            await declared_dead(b, "a")
             status, body = await b.call("POST", f"/sandboxes/{sid}/connect", {"timeout": 60})
             assert status == 503 and body["error_code"] == "sandbox_no_compatible_node", body
             assert "release-of-another-day" in body["message"]

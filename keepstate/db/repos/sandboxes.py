@@ -100,10 +100,7 @@ class Sandboxes:
         """Set `changes` (columns of CHANGEABLE) on the row if it is still at `expect_version` and `expect_epoch`,
         and record `teardown` with it; the row's new version. Fenced, Stale or NotFound, with nothing written, if
         not."""
-        unknown = set(changes) - CHANGEABLE
-        if unknown:
-            raise TypeError(f"transition cannot set {', '.join(sorted(unknown))}: it changes only "
-                            f"{', '.join(sorted(CHANGEABLE))}")
+        _changeable("transition", changes)
         async with self.db.transaction() as conn:
             done = await conn.execute(
                 sandboxes.update()
@@ -122,9 +119,7 @@ class Sandboxes:
         CHANGEABLE) with it: its epoch moves on, so whatever the old owner still tries to write of it is refused
         (Fenced). The row as moved, its state `paused`; None if it is not there, not in those states or at that
         version, or its node is still live (or already `to_node`)."""
-        unknown = set(changes) - CHANGEABLE
-        if unknown:
-            raise TypeError(f"take_over cannot set {', '.join(sorted(unknown))}")
+        _changeable("take_over", changes)
         conditions = [_c.sandbox_id == sandbox_id, _c.state.in_(tuple(states)), _c.node_id != to_node,
                       _c.node_id.in_(sa.select(nodes.c.node_id).where(nodes.c.state.in_(GONE_NODE_STATES)))]
         if expect_version is not None:
@@ -144,9 +139,7 @@ class Sandboxes:
         """The owner gives a paused sandbox to a live node `to_node` (a drain), at the version and epoch it holds it
         at, setting `changes` with it: the epoch moves on. The row as handed over; Fenced, Stale or NotFound, with
         nothing written, if the owner's view is not the row's, and Conflict if `to_node` is not live."""
-        unknown = set(changes) - CHANGEABLE
-        if unknown:
-            raise TypeError(f"hand_over cannot set {', '.join(sorted(unknown))}")
+        _changeable("hand_over", changes)
         live = sa.select(nodes.c.node_id).where(nodes.c.node_id == to_node, nodes.c.state == "alive")
         async with self.db.transaction() as conn:
             done = await conn.execute(
@@ -277,6 +270,14 @@ def _paused(kind: str, changes: dict[str, object]) -> dict[str, object]:
     if changes["state"] == "paused":
         return {"paused_at": sa.func.coalesce(_c.paused_at, db_now(kind))}
     return {"paused_at": None}
+
+
+def _changeable(what: str, changes: dict[str, object]) -> None:
+    """TypeError unless every column `changes` names may be changed (CHANGEABLE)."""
+    unknown = set(changes) - CHANGEABLE
+    if unknown:
+        raise TypeError(f"{what} cannot set {', '.join(sorted(unknown))}: it changes only "
+                        f"{', '.join(sorted(CHANGEABLE))}")
 
 
 async def _refuse(conn: Conn, sandbox_id: str, expect_version: int | None,
