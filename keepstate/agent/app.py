@@ -31,6 +31,7 @@ from keepstate.agent.asgi import (
 from keepstate.agent.auth import UNAUTHORIZED_MESSAGE, token_ok
 from keepstate.agent.journal import Journal, JournalQueryError, parse_query
 from keepstate.agent.reaper import REAPER
+from keepstate.agent.resumable import Streams, stream_id
 from keepstate.agent.settings import SandboxSettings, SettingsError, parse_init
 
 log = logging.getLogger("keepstate.agent")
@@ -57,6 +58,7 @@ class AgentApp:
         self._metrics: Any = None
         self._sudo: Any = None
         self._idle: Any = None
+        self.streams = Streams()
 
     # --- lazily built parts -----------------------------------------------------------------------------------
     def rpc_apps(self) -> dict[str, Any]:
@@ -84,14 +86,26 @@ class AgentApp:
             return
         if scope["type"] != "http":
             return
+        sid = stream_id(scope)
+        if sid is not None:  # the host router's: a stream it can pick up again after a snapshot cut it
+            try:
+                await self.streams.serve(sid, scope, receive, send, self._handle)
+            except HTTPError as e:
+                await send_error(send, e.status, e.message)
+            return
+        await self._handle(scope, receive, send)
 
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def send_with_cors(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = list(message.get("headers", [])) + _CORS
+                headers = list(message.get("headers", []))
+                if _CORS[0] not in headers:  # a resumed stream's answer has them already
+                    headers += _CORS
+                message["headers"] = headers
             await send(message)
 
         try:
@@ -124,6 +138,7 @@ class AgentApp:
                     self._supervisor.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self.streams.close()
                 if self._supervisor is not None:
                     await self._supervisor.stop()
                 if self._process_table is not None:
@@ -206,6 +221,13 @@ class AgentApp:
                 await files_archive.export(send, stop=query(scope).get("stop", "1") != "0")
             else:
                 await files_archive.apply(receive, send)
+            return
+        if path.startswith("/keepstate/streams/") and method == "POST":
+            try:
+                offset = int(query(scope).get("offset", "0"))
+            except ValueError:
+                raise HTTPError(400, "offset must be an integer") from None
+            await self.streams.resume(path.rsplit("/", 1)[1], offset, receive, send)
             return
         if path == "/version" and method == "GET":
             await send_json(send, 200, {"version": ENVD_VERSION})

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import logging
 import re
+import secrets
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,11 +27,12 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from keepstate.agent.resumable import RESUMABLE_PATHS, STREAM_HEADER
 from keepstate.ports import AGENT_PORT
 from keepstate.sandbox.agent_client import InFlight
 from keepstate.sandbox.manager import SandboxManager
 from keepstate.sandbox.record import SandboxRow
-from keepstate.sandbox.upstream import Connection, UpstreamError
+from keepstate.sandbox.upstream import Connection, Head, UpstreamError
 
 from .inbound import TOKEN_HEADER, Inbound
 from .relay import pipe
@@ -41,11 +43,13 @@ if TYPE_CHECKING:
 # The cluster's own hop headers (api/relay.py) are the nodes', never the sandbox's.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length", TOKEN_HEADER, "x-keepstate-relayed",
-        "x-keepstate-epoch"}
+        "x-keepstate-epoch", STREAM_HEADER}
 # Not relayed to the sandbox either: `expect` (the server has answered a 100-continue already).
 _HOP_RAW = {h.encode() for h in _HOP} | {b"expect"}
 _DEFAULT_PORT = {"http": 80, "https": 443}
 BUFFERED_BODY = 1 << 16  # a request body up to this size is read whole before it is relayed (it can be sent twice)
+RESUMABLE_BODY = 4 << 20  # a command's request (its line and environment) is read whole, up to this (exec's own
+# limit is 2 MiB); a resumable stream's request is sent again on its resume
 HEADERS_WAIT = 0.002  # seconds an answer's headers wait for its first body bytes, to go out with them
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
@@ -261,13 +265,18 @@ class Router:
         head = [f"{request.method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("utf-8", "surrogateescape")]
         head += [name + b": " + value + b"\r\n" for name, value in request.raw_headers if name.lower() not in _HOP_RAW]
         body, streamed, chunked = b"", False, False
+        # A command's or a watch's stream: the agent keeps it for us to pick up again if a snapshot cuts it. Its
+        # request (a command line and its environment: a few KiB, never more than exec takes) is read whole.
+        resumable = port == AGENT_PORT and request.method == "POST" and request.path in RESUMABLE_PATHS
         if request.body_exists:
             length = request.content_length
-            if length is not None and length <= BUFFERED_BODY:
+            if length is not None and length <= BUFFERED_BODY or resumable:
                 try:
-                    body = await request.content.read()  # whole: the request can be sent again if need be
+                    body = await _whole(request, RESUMABLE_BODY)  # the request can be sent again if need be
                 except (ConnectionError, aiohttp.ClientError):
                     return web.Response(status=499)  # nobody reads it: the client went away mid-body
+                except ValueError as e:
+                    return web.json_response({"code": 413, "message": str(e)}, status=413)
                 head.append(b"Content-Length: %d\r\n" % len(body))
             elif length is not None:
                 streamed = True
@@ -275,6 +284,10 @@ class Router:
             else:
                 streamed = chunked = True
                 head.append(b"Transfer-Encoding: chunked\r\n")
+        flight.resumable = resumable
+        stream = secrets.token_hex(16) if resumable else ""
+        if stream:
+            head.append(b"X-KeepState-Stream: %s\r\n" % stream.encode())
         head.append(b"\r\n")
         request_bytes = b"".join(head) + body
         asked = time.monotonic()
@@ -317,7 +330,11 @@ class Router:
                     if conn.reused and not streamed and not flight.cut:
                         conn.close()
                         continue
-                    return not_found(row.sandbox_id)
+                    resumed = await self._resume(row, flight, stream, 0, host) if flight.resume else None
+                    if resumed is None:
+                        return not_found(row.sandbox_id)
+                    conn, answer = resumed
+                    break
         except asyncio.CancelledError:
             # The client gave up waiting (its timeout): say how long the sandbox left it without an answer, the
             # evidence for a stream that never got one.
@@ -358,7 +375,18 @@ class Router:
                 await resp.prepare(request)
                 if not ready:
                     await resp.write(b"")  # the headers, alone
-                while (chunk := await conn.chunk()) is not None:
+                while True:
+                    try:
+                        chunk = await conn.chunk()
+                    except UpstreamError:
+                        resumed = await self._resume(row, flight, stream, streamed_bytes, host) \
+                            if flight.resume else None
+                        if resumed is None:
+                            raise
+                        conn = resumed[0]
+                        continue
+                    if chunk is None:
+                        break
                     streamed_bytes, last = streamed_bytes + len(chunk), time.monotonic()
                     await resp.write(chunk)
             except (asyncio.CancelledError, ConnectionResetError) as gone:
@@ -383,7 +411,7 @@ class Router:
             except ConnectionResetError:
                 return resp  # the client went away just as the answer ended: nobody to answer
             if sender is None or sender.done():
-                pool.release(conn)
+                conn.pool.release(conn)  # a resumed stream's is a later pool's
                 released = True
             return resp
         finally:
@@ -391,6 +419,37 @@ class Router:
                 sender.cancel()
             if not released:
                 conn.close()
+
+    async def _resume(self, row: SandboxRow, flight: InFlight, stream: str, offset: int,
+                      host: str) -> tuple[Connection, Head] | None:
+        """Pick a stream cut by a snapshot's gate up again at body byte `offset`, once the gate has opened
+        (docs/design/resumable-streams.md). None if it cannot be: the caller cuts its client then, as before."""
+        while True:
+            await self.agents.admit(row.sandbox_id)
+            if self.manager.route(row.sandbox_id) is None:
+                return None
+            self.agents.rejoin(row.sandbox_id, flight)
+            conn: Connection | None = None
+            token = b"X-Access-Token: %s\r\n" % row.access_token.encode() if row.access_token else b""
+            try:
+                conn = await self.agents.proxy_pool(row.sandbox_id).connect("http", row.address, AGENT_PORT)
+                conn.begin("POST")
+                conn.write(b"POST /keepstate/streams/%s?offset=%d HTTP/1.1\r\nHost: %s\r\n%s"
+                           b"Content-Length: 0\r\n\r\n" % (stream.encode(), offset, host.encode(), token))
+                answer = await conn.response()
+            except (OSError, TimeoutError, UpstreamError):
+                if conn is not None:
+                    conn.close()
+                if flight.resume:
+                    continue  # cut again, by the next snapshot's gate
+                return None
+            if answer.status != 200:
+                log.warning("a stream into sandbox %s could not be resumed at byte %d after a checkpoint: %d",
+                            row.sandbox_id, offset, answer.status)
+                conn.close()
+                return None
+            log.info("a stream into sandbox %s resumed at byte %d after a checkpoint", row.sandbox_id, offset)
+            return conn, answer
 
     async def _websocket(self, request: web.Request, row: SandboxRow, port: int) -> web.StreamResponse:
         client = self.agents.proxy_session(row.sandbox_id)
@@ -416,6 +475,16 @@ class Router:
             raise
         await pipe(ws, upstream)  # both ways, a close's code and reason included, until both ends are closed
         return ws
+
+
+async def _whole(request: web.Request, limit: int) -> bytes:
+    parts, size = [], 0
+    async for data in request.content.iter_any():
+        size += len(data)
+        if size > limit:
+            raise ValueError(f"{request.path}'s request body is larger than {limit} bytes")
+        parts.append(data)
+    return b"".join(parts)
 
 
 async def _send_body(request: web.Request, conn: Connection, chunked: bool) -> None:

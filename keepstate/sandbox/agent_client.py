@@ -10,7 +10,8 @@ connection in gVisor's netstack at checkpoint time wedges the agent after a rest
   aiohttp session per sandbox, `proxy_session`) and register each in-flight request (`proxying`);
 - `quiesce(sandbox_id, hold)` closes the gate: host calls raise `Quiesced`; router requests wait (hold=True, the
   sandbox runs on: a snapshot or fork) or are answered 502 by the router (a pause: the sandbox is no longer
-  RUNNING); it waits for host calls in flight, cuts the router's in-flight requests and closes its pools (every
+  RUNNING); it waits for host calls in flight, cuts the router's in-flight requests (a snapshot's gate cuts a
+  resumable stream on the sandbox's side only: docs/design/resumable-streams.md) and closes its pools (every
   connection, idle or in use), waits until the sandbox has answered the closes (the host's TCP table holds
   nothing to it but closed connections, at most SETTLE_MAX seconds; tcp_table.py says why), and only then
   yields. The gate opens again when the block ends. A kill (`abort`) cuts and closes the same way.
@@ -69,6 +70,8 @@ class InFlight:
     transport: asyncio.BaseTransport | None
     started: bool = False
     cut: bool = False
+    resumable: bool = False  # the agent keeps its stream for the router to pick up (docs/design/resumable-streams.md)
+    resume: bool = False  # cut by a snapshot's gate: its client's connection stays open, the router resumes it
 
 
 class AgentClient:
@@ -115,7 +118,7 @@ class AgentClient:
         try:
             async with self._idle:
                 await self._idle.wait_for(lambda: not self._calls[sandbox_id])
-            session = self._drop(sandbox_id)  # closes the pool
+            session = self._drop(sandbox_id, keep_resumable=hold)  # closes the pool
             if session is not None:
                 await session.close()
             if not address:
@@ -377,16 +380,23 @@ class AgentClient:
         if session is not None:
             await session.close()
 
-    def _drop(self, sandbox_id: str) -> aiohttp.ClientSession | None:
+    def rejoin(self, sandbox_id: str, flight: InFlight) -> None:
+        """A resumed stream is in flight again: the next gate cuts it too."""
+        flight.cut = flight.resume = False
+        self._inflight.setdefault(sandbox_id, set()).add(flight)
+
+    def _drop(self, sandbox_id: str, keep_resumable: bool = False) -> aiohttp.ClientSession | None:
         """Cut the sandbox's in-flight proxied requests and close its pool of connections (in use ones too); hand
         back its WebSocket session for closing.
 
         A request whose response has started loses its client connection (the SDK sees an interrupted stream); one
         whose response has not started only loses its upstream connection (closing the pool), and the router
-        answers it with its JSON 502."""
+        answers it with its JSON 502. With `keep_resumable` (a snapshot's gate: the sandbox runs on), a resumable
+        stream loses its upstream connection only, and the router resumes it once the gate opens."""
         for flight in list(self._inflight.pop(sandbox_id, ())):
             flight.cut = True
-            if flight.started and flight.transport is not None:
+            flight.resume = keep_resumable and flight.resumable
+            if flight.started and flight.transport is not None and not flight.resume:
                 flight.transport.close()
         pool = self._pools.pop(sandbox_id, None)
         if pool is not None:
