@@ -19,6 +19,7 @@ import queue
 import shutil
 import signal
 import stat
+import sys
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -187,6 +188,17 @@ async def export(send: Send, root: str = "/", lower: str = TEMPLATE_VIEW, stop: 
     if failure:
         raise failure[0]  # the response is cut, not ended: the host sees an incomplete body
     await send({"type": "http.response.body", "body": b""})
+
+
+def export_stdout(root: str = "/", lower: str = TEMPLATE_VIEW) -> int:
+    """`boot.py export-files`: what GET /keepstate/files sends, on stdout. The host's runtime runs it inside a
+    sandbox whose agent may not answer (a reboot from files of a sandbox paused with memory)."""
+    if not os.path.isdir(lower):
+        print(f"this sandbox has no template view at {lower}", file=sys.stderr)
+        return 69
+    with processes_stopped():
+        write_tar(sys.stdout.buffer, root, lower)
+    return 0
 
 
 # -- apply ------------------------------------------------------------------------------------------------------

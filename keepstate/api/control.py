@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from keepstate.errors import BadRequest, KeepStateError, NotFound, Unsupported
+from keepstate.errors import BadRequest, KeepStateError, NotFound
 from keepstate.sandbox.manager import MAX_TIMEOUT, SandboxManager
-from keepstate.sandbox.state import PUBLIC, State
+from keepstate.sandbox.state import PUBLIC
 
 from . import schemas
 from .keys import API_KEY_ID, DOMAIN, ENVD_VERSION, IDEMPOTENT, MANAGER, TIMEOUT_LIMIT
@@ -127,12 +127,11 @@ async def connect(request: web.Request) -> web.Response:
     timeout = schemas.parse_timeout_body(body, required=False, limit=timeout_limit(request))
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")
-    if isinstance(body, dict) and body.get("memory", True) is not True:
-        if body.get("memory") is not False:
-            raise BadRequest("`memory` must be a boolean")
-        refuse_reboot(request)
+    memory = body.get("memory", True) if isinstance(body, dict) else True
+    if not isinstance(memory, bool):
+        raise BadRequest("`memory` must be a boolean")
     try:
-        row, resumed = await manager(request).connect(sid(request), timeout)
+        row, resumed = await manager(request).connect(sid(request), timeout, memory=memory)
     except NotFound:
         raise NotFound(f"Paused sandbox {sid(request)} not found") from None
     return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)),
@@ -151,24 +150,12 @@ async def metrics_of_many(request: web.Request) -> web.Response:
     return web.json_response({"sandboxes": manager(request).latest_metrics(ids)})
 
 
-def refuse_reboot(request: web.Request) -> None:
-    """A resume with `memory: false` (on_resume="reboot"): what any resume of a sandbox paused without memory does,
-    and a no-op for a running one; a sandbox paused with memory keeps its files inside its memory image, so it
-    cannot be rebooted from them: a 501."""
-    row = manager(request).get(sid(request))
-    if row.state == State.PAUSED and not row.settings.files_only:
-        raise Unsupported(f"sandbox {row.sandbox_id} was paused with memory: its files are inside its memory "
-                          "image, so it resumes only with memory (on_resume=\"restore\")")
-
-
 @routes.post("/sandboxes/{sandbox_id}/resume")
 async def resume(request: web.Request) -> web.Response:
     """E2B's older resume: a paused sandbox only (a running one is a 409, unlike connect)."""
     timeout, auto_pause, memory = schemas.parse_resume_body(await object_body(request), timeout_limit(request))
-    if not memory:
-        refuse_reboot(request)
     try:
-        row = await manager(request).resume(sid(request), timeout, auto_pause)
+        row = await manager(request).resume(sid(request), timeout, auto_pause, memory=memory)
     except NotFound:
         raise NotFound(f"Paused sandbox {sid(request)} not found") from None
     return web.json_response(schemas.sandbox(row, envd_version(request), domain(request)), status=201)

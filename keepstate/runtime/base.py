@@ -172,6 +172,12 @@ class Runtime(Protocol):
     def idle_frozen(self, handle: Handle) -> bool:
         """Whether `idle_freeze` holds the instance."""
 
+    def export_files(self, handle: Handle, dest: Path) -> int:
+        """Write a running sandbox's files, as changes against its template (the tar a filesystem-only pause keeps,
+        docs/design/sandbox-disk.md), into `dest`, by a process of the runtime's own inside it, not through its
+        agent (which may be why it is being rebooted); return the bytes written. Every other process of the
+        sandbox is stopped meanwhile. RuntimeFailure if it is frozen or gone, or the export fails."""
+
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         """Start a new sandbox, in network slot `slot`, from an image written by checkpoint()."""
 

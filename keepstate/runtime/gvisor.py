@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import keepstate
-from keepstate.mountpoints import AGENT_RUNTIME, TEMPLATE_VIEW, VOLUME_MOUNTS_ENV, VOLUME_SLOTS, VOLUMES_DIR
+from keepstate.mountpoints import (
+    AGENT_PACKAGE,
+    AGENT_RUNTIME,
+    TEMPLATE_VIEW,
+    VOLUME_MOUNTS_ENV,
+    VOLUME_SLOTS,
+    VOLUMES_DIR,
+)
 from keepstate.ports import AGENT_PORT
 
 from . import affinity, cgroups, network, remains
@@ -356,6 +363,21 @@ class GVisorRuntime:
         proc = self._runsc("resume", handle.name, timeout=30)
         if proc.returncode != 0:
             raise RuntimeFailure(f"runsc resume of {handle.name} failed ({proc.returncode}): {_gist(proc.stderr)}")
+
+    def export_files(self, handle: Handle, dest: Path) -> int:
+        if self.state(handle.name) != "running":
+            raise RuntimeFailure(f"{handle.name} is {self.state(handle.name)}: only a running sandbox exports files")
+        cgroups.thaw(handle.name)
+        argv = agent_rt.loader_argv(AGENT_RUNTIME, "bin/python3", "-I", "-S", "-B",
+                                    f"{AGENT_PACKAGE}/keepstate/agent/boot.py", "export-files")
+        cmd = ["runsc", *self._global_flags(None), "exec", "--user=0:0", handle.name, *argv]
+        with open(dest, "wb") as out:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, timeout=600,
+                                  env=self._env())
+        if proc.returncode != 0:
+            raise RuntimeFailure(f"export of {handle.name}'s files failed ({proc.returncode}): "
+                                 f"{_gist(proc.stderr.decode(errors='replace'))}")
+        return dest.stat().st_size
 
     def restore(self, spec: SandboxSpec, image_dir: Path, slot: int) -> Handle:
         rt = self._runtime_for(spec, image_dir)

@@ -18,7 +18,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -139,20 +139,24 @@ class Checkpoints:
             ports = self.instances.templates.service_ports(built.name)
         return [p for p in ports if p != AGENT_PORT]
 
-    async def take_files(self, row: SandboxRow, kind: str = "pause") -> Manifest:
+    async def take_files(self, row: SandboxRow, kind: str = "pause",
+                         export: Callable[[Path], Awaitable[int]] | None = None) -> Manifest:
         """A filesystem-only pause's checkpoint: the agent's export of the sandbox's files (its processes stopped
         meanwhile, continued after), ingested as `files.tar`. The instance is left running; the caller tears it
-        down once the checkpoint is published."""
+        down once the checkpoint is published. `export`: the runtime's instead of the agent's (a reboot)."""
         session = row.session_id
         parent_id = row.settings.checkpoint_id
         checkpoint_id = new_checkpoint_id()
         self.agents.wake(row.sandbox_id)
-        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind)
+        ref = await self.recorder.checkpoint_begin(session, checkpoint_id, parent_id, kind, pull=export is None)
         spool = self.durable.files_spool()
         started = time.monotonic()
         try:
-            size = await self.agents.export_files(row.sandbox_id, row.address, row.access_token,
-                                                  spool / FILES_ARCHIVE)
+            if export is not None:
+                size = await export(spool / FILES_ARCHIVE)
+            else:
+                size = await self.agents.export_files(row.sandbox_id, row.address, row.access_token,
+                                                      spool / FILES_ARCHIVE)
             exported = time.monotonic()
             manifest = await self._ingest(row, spool, kind, parent_id, ref, checkpoint_id, memory=False)
         except BaseException as exc:
@@ -164,6 +168,46 @@ class Checkpoints:
         log.info("filesystem checkpoint %s of %s: %d bytes exported in %.0f ms, ingest %.0f ms", checkpoint_id,
                  row.sandbox_id, size, (exported - started) * 1000, (time.monotonic() - exported) * 1000)
         return manifest
+
+    async def files_from_memory(self, row: SandboxRow, standby: Instance | None) -> None:
+        """Make a sandbox paused with memory one paused without (a reboot from files, docs/design/sandbox-disk.md):
+        its paused state runs again (the standby thawed, else the checkpoint restored into a new slot, with no
+        egress), the runtime exports its files (not the agent, which may be why it is rebooted), they become a
+        `memory: false` checkpoint whose parent is the memory one, and that instance is torn down."""
+        held: SandboxRow | None = None
+        if standby is not None:
+            try:
+                await asyncio.to_thread(self.runtime.thaw, Handle(standby.name, standby.slot))
+                held = row.with_instance(standby)
+            except RuntimeFailure as exc:
+                log.warning("standby of %s cannot be thawed for a reboot (%s); restoring its checkpoint",
+                            row.sandbox_id, exc)
+                await self.instances.reap(row.with_instance(standby), keep_row=True)
+        if held is None:
+            assert row.settings.checkpoint_id is not None
+            manifest = await asyncio.to_thread(self.durable.manifest, row.settings.checkpoint_id)
+            built = await asyncio.to_thread(self.durable.template_for, manifest)
+            image = await asyncio.to_thread(self.durable.materialise, manifest)
+            try:
+                async with self.instances.starts.slot():
+                    handle, slot = await self.instances.restore(
+                        image, built, row_limits(row), await self.instances.mounts(row.settings.volume_mounts))
+            finally:
+                shutil.rmtree(image, ignore_errors=True)
+            assert handle.endpoint is not None
+            held = row.with_instance(Instance(handle.name, slot, handle.endpoint.address))
+        taken = held
+
+        async def export(dest: Path) -> int:
+            return await asyncio.to_thread(self.runtime.export_files, handle_of(taken), dest)
+
+        try:
+            manifest = await self.take_files(held, export=export)
+        finally:
+            await self.instances.reap(held, keep_row=True)
+        row.settings.checkpoint_id = manifest.checkpoint_id
+        row.settings.files_only = True
+        row.settings.envd_unresponsive = False  # a new boot, a new agent
 
     # -- resume ------------------------------------------------------------------------------------------------
     async def thaw(self, row: SandboxRow, standby: Instance, timeout: int) -> bool:

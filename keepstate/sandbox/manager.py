@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import types
@@ -314,24 +315,28 @@ class SandboxManager:
         async with step.then(Command.KILL) as killing:
             await self._kill_running(killing, "timeout")
 
-    async def connect(self, sandbox_id: str, timeout: int) -> tuple[SandboxRow, bool]:
-        """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes."""
+    async def connect(self, sandbox_id: str, timeout: int, memory: bool = True) -> tuple[SandboxRow, bool]:
+        """(row, resumed): a running sandbox's timeout is extended (never shortened); a paused one resumes, or
+        without `memory` reboots from its files."""
         await self._known(sandbox_id)
-        async with self.table.command(sandbox_id, Command.CONNECT, admit=self._admit_resume) as step:
+        admit = functools.partial(self._admit_resume, memory=memory)
+        async with self.table.command(sandbox_id, Command.CONNECT, admit=admit) as step:
             row = step.row
             if step.origin == State.RUNNING:
                 await self._keep_alive(row, timeout)
                 await self.recorder.record(row.session_id, "sandbox.connect", {"timeout": timeout})
                 return row, False
-            await self._resume(step, timeout)
+            await self._resume(step, timeout, memory)
             return row, True
 
-    async def resume(self, sandbox_id: str, timeout: int, auto_pause: bool | None = None) -> SandboxRow:
+    async def resume(self, sandbox_id: str, timeout: int, auto_pause: bool | None = None,
+                     memory: bool = True) -> SandboxRow:
         """E2B's older resume: a paused sandbox only (a running one is a 409); `auto_pause`, when given, is what
         its next timeout does."""
         await self._known(sandbox_id)
-        async with self.table.command(sandbox_id, Command.RESUME, admit=self._admit_resume) as step:
-            await self._resume(step, timeout)
+        admit = functools.partial(self._admit_resume, memory=memory)
+        async with self.table.command(sandbox_id, Command.RESUME, admit=admit) as step:
+            await self._resume(step, timeout, memory)
             if auto_pause is not None:
                 step.row.settings.auto_pause = auto_pause
                 await self.table.save(step.row)
@@ -361,21 +366,25 @@ class SandboxManager:
     async def _known(self, sandbox_id: str) -> None:
         await recovery.known(self, sandbox_id)  # a gone node's is taken over; one in the store loaded
 
-    async def _admit_resume(self, row: SandboxRow) -> None:
+    async def _admit_resume(self, row: SandboxRow, memory: bool = True) -> None:
         """A paused sandbox runs again: a place of its key's, and a new instance unless its standby thaws. Looked
-        at before RESUMING, which holds them from then on."""
+        at before RESUMING, which holds them from then on. A reboot (not `memory`) is what E2B's 409 asks for."""
         if row.state == State.PAUSED:
-            if row.settings.envd_unresponsive and not row.settings.files_only:
+            if row.settings.envd_unresponsive and not row.settings.files_only and memory:
                 raise Conflict(f"sandbox {row.sandbox_id} was paused while its agent did not answer: restoring that "
-                               "memory would bring the unresponsive agent back",
-                               error_code="sandbox_snapshot_guest_agent_unresponsive")
+                               "memory would bring the unresponsive agent back; reboot it from its files "
+                               "(memory: false)", error_code="sandbox_snapshot_guest_agent_unresponsive")
             await self._read_key_limit(row.api_key_id)
-            self.places.check(row.api_key_id, host=0 if row.settings.standby is not None else 1, key=1)
+            self.places.check(row.api_key_id, host=0 if row.settings.standby is not None and memory else 1, key=1)
 
-    async def _resume(self, step: Step, timeout: int) -> None:
+    async def _resume(self, step: Step, timeout: int, memory: bool = True) -> None:
         row = step.row
         source = "store"
         try:
+            if not memory and not row.settings.files_only:  # a reboot from files: sandbox-disk.md
+                standby, row.settings.standby = row.settings.standby, None
+                self.standbys.discard(row.sandbox_id)
+                await self.checkpoints.files_from_memory(row, standby)
             standby = row.settings.standby
             if standby is not None:
                 self.standbys.discard(row.sandbox_id)

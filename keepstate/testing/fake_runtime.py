@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import io
 import json
 import os
 import socketserver
+import tarfile
 import tempfile
 import threading
 import time
@@ -160,6 +162,27 @@ class _Server(ThreadingHTTPServer):
         super().shutdown_request(request)
 
 
+def files_tar(files: dict[str, bytes]) -> bytes:
+    """The fake's files as the real agent's export sends them: a tar, paths relative to the root."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path, data in sorted(files.items()):
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def tar_files(data: bytes) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for m in tar.getmembers():
+            f = tar.extractfile(m)
+            if f is not None:
+                files["/" + m.name] = f.read()
+    return files
+
+
 class FakeAgent:
     """One fake instance's agent."""
 
@@ -264,8 +287,8 @@ class _Handler(BaseHTTPRequestHandler):
                 agent.idle_looks += 1
                 return self._json(200, {"idle": not agent.busy, "last": len(st.journal),
                                         "why": "a command runs" if agent.busy else ""})
-            if url.path == "/keepstate/files":  # a filesystem-only pause: the fake's files (not a tar)
-                return self._send(200, json.dumps(st.to_json()["files"]).encode(), "application/x-tar")
+            if url.path == "/keepstate/files":  # a filesystem-only pause: the fake's files, as a tar
+                return self._send(200, files_tar(st.files), "application/x-tar")
         self._json(404, {"code": 404, "message": f"no such path {url.path}"})
 
     def do_PUT(self) -> None:  # noqa: N802
@@ -274,7 +297,7 @@ class _Handler(BaseHTTPRequestHandler):
         agent = self.server.agent
         body = self._body()
         if urlsplit(self.path).path == "/keepstate/files" and self._authorised():
-            files = {p: base64.b64decode(b) for p, b in json.loads(body or b"{}").items()}
+            files = tar_files(body)
             with agent.lock:
                 agent.state.files.update(files)
             return self._json(200, {"entries": len(files)})
@@ -443,6 +466,18 @@ class FakeRuntime:
         (image_dir / MEMORY_FILE).write_bytes(blob + b"\0" * (-len(blob) % 4096))
         if not leave_running:
             self.destroy(handle)
+
+    def export_files(self, handle: Handle, dest: Path) -> int:
+        """The fake's files as its agent's own export writes them, whether or not the agent answers (a wedged or
+        stopped one too); refused when frozen, as runsc exec is."""
+        self._op("export_files")
+        inst = self._get(handle.name)
+        if inst.status != "running":
+            raise RuntimeFailure(f"fake runtime: {handle.name} is {inst.status}: no export")
+        with inst.agent.lock:
+            data = files_tar(inst.agent.state.files)
+        dest.write_bytes(data)
+        return len(data)
 
     def freeze(self, handle: Handle) -> None:
         self._op("freeze")

@@ -107,7 +107,7 @@ def config(hooks: Path, fake: bool) -> str:
         # expires it at once, as E2B's does; this check counts only a DELETE as the end of a resource.
         "ensure_resource_availability.enabled = false",
         "[checks.not_a_server_error]",
-        # 501 is documented: a snapshot or fork without memory, a reboot of a sandbox paused with memory.
+        # 501 is documented: a sandbox started before the disk cannot pause without memory.
         'expected-statuses = ["2xx", "3xx", "4xx", "501"]',
         "[phases.stateful]",
         f"max-steps = {10 if fake else 4}",

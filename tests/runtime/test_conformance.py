@@ -164,6 +164,39 @@ def test_idle_freeze_stops_answering_until_idle_thaw(subject: Subject) -> None:
     rt.idle_thaw(handle)  # gone: nothing to do
 
 
+def _write_file(handle: Handle, path: str, data: bytes) -> None:
+    """Through the agent's /files (a new sandbox's agent has no token before its /init), as E2B's SDK writes."""
+    assert handle.endpoint is not None
+    boundary = "ks" + secrets.token_hex(8)
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    url = f"http://{handle.endpoint.address}:{handle.endpoint.agent_port}/files?path={path}&username=root"
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+
+
+def test_export_files_holds_what_was_written_without_asking_the_agent(subject: Subject, tmp_path: Path) -> None:
+    import tarfile
+
+    rt = subject.runtime
+    handle = rt.create(subject.spec(), subject.slot())
+    wait_agent(handle)
+    _write_file(handle, "/root/exported.txt", b"kept by a reboot")
+    wait_closed(handle)
+    size = rt.export_files(handle, tmp_path / "files.tar")
+    with tarfile.open(tmp_path / "files.tar") as tar:
+        member = tar.getmember("root/exported.txt")
+        assert tar.extractfile(member).read() == b"kept by a reboot"  # type: ignore[union-attr]
+    assert size == (tmp_path / "files.tar").stat().st_size
+    assert rt.state(handle.name) == "running"
+    rt.freeze(handle)
+    with pytest.raises(RuntimeFailure):
+        rt.export_files(handle, tmp_path / "frozen.tar")  # runsc exec needs a running sentry
+    rt.destroy(handle)
+
+
 def test_checkpoint_of_an_idle_frozen_instance_runs_it_on(subject: Subject, tmp_path: Path) -> None:
     rt = subject.runtime
     handle = rt.create(subject.spec(), subject.slot())

@@ -51,7 +51,7 @@ async def test_the_older_resume_resumes_only_a_paused_sandbox(served: Served) ->
     assert (await s.call("POST", f"/sandboxes/{sid}/pause"))[0] == 204
     error_of(*await s.call("POST", f"/sandboxes/{sid}/resume", {"timeout": "soon"}), 400)
     error_of(*await s.call("POST", f"/sandboxes/{sid}/resume", {"autoPause": "yes"}), 400)
-    error_of(*await s.call("POST", f"/sandboxes/{sid}/resume", {"memory": False}), 501)
+    error_of(*await s.call("POST", f"/sandboxes/{sid}/resume", {"memory": "no"}), 400)
     status, body = await s.call("POST", f"/sandboxes/{sid}/resume", {"timeout": 120, "autoPause": True})
     assert status == 201, body
     assert body["sandboxID"] == sid and body["envdAccessToken"] == token
