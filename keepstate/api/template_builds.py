@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -120,6 +121,38 @@ async def build_status(request: web.Request) -> web.Response:
         raise BadRequest("`logsOffset` and `limit` must be whole numbers") from None
     return web.json_response(await builds(request).status(request.match_info["template_id"],
                                                           request.match_info["build_id"], offset, limit))
+
+
+LEVELS = ("debug", "info", "warn", "error")
+
+
+@routes.get("/templates/{template_id}/builds/{build_id}/logs")
+async def build_logs(request: web.Request) -> web.Response:
+    """E2B's logs route: the entries the status route carries, by time (`cursor`, ms) and level."""
+    q = request.query
+    try:
+        cursor = int(q["cursor"]) if "cursor" in q else None
+        limit = int(q.get("limit", "100"))
+    except ValueError:
+        raise BadRequest("`cursor` (milliseconds since the epoch) and `limit` must be whole numbers") from None
+    direction, level = q.get("direction", "forward"), q.get("level", "debug")
+    if not 1 <= limit <= 1000 or (cursor is not None and cursor < 0):
+        raise BadRequest("`limit` must be 1 to 1000 and `cursor` not negative")
+    if direction not in ("forward", "backward") or level not in LEVELS \
+            or q.get("source", "persistent") not in ("temporary", "persistent"):
+        raise BadRequest("`direction` is forward or backward, `level` one of debug, info, warn, error, `source` "
+                         "temporary or persistent")
+    status = await builds(request).status(request.match_info["template_id"], request.match_info["build_id"], 0,
+                                          1 << 30)
+    entries = [e for e in status["logEntries"] if LEVELS.index(e.get("level", "info")) >= LEVELS.index(level)]
+    if direction == "backward":
+        entries.reverse()
+    if cursor is not None:
+        def ms(entry: dict[str, Any]) -> int:
+            return int(datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp() * 1000)
+
+        entries = [e for e in entries if (ms(e) >= cursor if direction == "forward" else ms(e) <= cursor)]
+    return web.json_response({"logs": entries[:limit]})
 
 
 @routes.post("/templates/tags")

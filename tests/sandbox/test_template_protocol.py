@@ -79,3 +79,33 @@ async def test_names_tags_and_deletes(served: Served) -> None:
     status, _ = await served.call("GET", "/templates/aliases/team%2Ftool")
     assert status == 404
 
+
+
+async def test_a_builds_log_entries_by_time_and_level(served: Served) -> None:
+    """E2B's logs route (`GET /templates/{id}/builds/{build}/logs`): the entries the status route carries, by
+    `cursor` (ms), `direction`, `level` and `limit`."""
+    from keepstate.api.template_builds import BUILDS
+    from keepstate.builds.service import BuildLog
+
+    status, info = await served.call("POST", "/v3/templates", {"name": "logged"})
+    assert status == 202
+    base = f"/templates/{info['templateID']}/builds/{info['buildID']}/logs"
+    log = served.app[BUILDS].logs.setdefault(info["buildID"], BuildLog())
+    for i, (second, level) in enumerate([(1, "debug"), (2, "info"), (3, "warn"), (4, "error")]):
+        log.entries.append({"timestamp": f"2026-12-05T10:00:0{second}Z", "level": level, "message": f"m{i}"})
+    at = 1_796_464_802_000  # 2026-12-05T10:00:02Z in ms
+
+    async def messages(query: str) -> list[str]:
+        status, body = await served.call("GET", base + query)
+        assert status == 200, body
+        return [e["message"] for e in body["logs"]]
+
+    assert await messages("") == ["m0", "m1", "m2", "m3"]
+    assert await messages("?level=warn") == ["m2", "m3"]
+    assert await messages(f"?cursor={at}") == ["m1", "m2", "m3"]
+    assert await messages(f"?cursor={at}&direction=backward") == ["m1", "m0"]
+    assert await messages("?direction=backward&limit=1") == ["m3"]
+    for bad in ("?limit=0", "?cursor=soon", "?direction=sideways", "?level=loud", "?source=elsewhere"):
+        status, body = await served.call("GET", base + bad)
+        assert status == 400, (bad, body)
+    assert (await served.call("GET", f"/templates/{info['templateID']}/builds/nope/logs"))[0] == 404
