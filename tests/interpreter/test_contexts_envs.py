@@ -15,12 +15,13 @@ from tests.interpreter.conftest import HOME
 
 def test_default_contexts(new_sandbox: Callable[..., Sandbox]) -> None:
     sbx = new_sandbox()
-    # Python's default context starts with the sandbox; other languages' on their first use.
-    assert [c.language for c in sbx.list_code_contexts()] == ["python"]
+    # Python's default context starts with the sandbox; JavaScript's is listed from the start too (as E2B's), its
+    # kernel started on first use; other languages' on their first use.
+    assert [c.language for c in sbx.list_code_contexts()] == ["python", "javascript"]
     sbx.run_code("const jsDefault = 1", language="js")
     assert sbx.run_code("jsDefault + 1", language="javascript").text == "2"
     contexts = sbx.list_code_contexts()
-    assert sorted(c.language for c in contexts) == ["javascript", "python"]
+    assert [c.language for c in contexts] == ["python", "javascript"]
     assert all(c.cwd == HOME for c in contexts)
 
 
@@ -31,7 +32,7 @@ def test_list_has_a_default_context_per_used_language(new_sandbox: Callable[...,
         assert sbx.run_code(code, language=language, timeout=240).error is None
         assert sbx.run_code(code, language=language).error is None  # the same default context again
     contexts = sbx.list_code_contexts()
-    assert sorted(c.language for c in contexts) == sorted(["python", *used])
+    assert sorted(c.language for c in contexts) == sorted(["python", "javascript", *used])
     assert all(c.cwd == HOME for c in contexts)
     ctx = sbx.create_code_context(language="r")  # a context made on request is listed too, beside the default
     assert [c.id for c in sbx.list_code_contexts() if c.language == "r"][-1] == ctx.id
@@ -144,7 +145,7 @@ def test_r_plot_is_an_image(sandbox: Sandbox) -> None:
 def test_java(sandbox: Sandbox) -> None:
     execution = sandbox.run_code('int a = 20;\nSystem.out.println("hi");\na + 1', language="java", timeout=240)
     # jshell shows the last expression as `$1 ==> 21`: its value is the execution's result.
-    assert execution.logs.stdout == ["hi\n"]
+    assert execution.logs.stdout == ["hi"]  # as E2B's Java kernel: a printed line without its newline
     assert execution.text == "21" and [r.is_main_result for r in execution.results] == [True]
     assert sandbox.run_code("int b = 2;", language="java").results == []
     assert sandbox.run_code('"it\'s \\"q\\""', language="java").text == "it's \"q\""

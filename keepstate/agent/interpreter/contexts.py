@@ -1,6 +1,7 @@
 """Contexts: named kernels the SDK runs code in, and the executions running in them.
 
-Each language has a default context, created on first use (python at start-up).
+Each language has a default context, created on first use (python at start-up). Python's and JavaScript's are
+listed from the start, as E2B's are; JavaScript's kernel starts on its first use all the same (LISTED).
 Executions in one context run one at a time, in arrival order. An execution runs in its own task
 so that what must happen after the user's code (reverting per-execution env vars) still happens
 when the client has gone away.
@@ -9,6 +10,7 @@ when the client has gone away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from keepstate.agent.interpreter.kernel import Kernel, KernelError, LaunchSpec
 from keepstate.agent.interpreter.output import END, Line, error_line
 
 log = logging.getLogger(__name__)
+LISTED = ("python", "javascript")  # default contexts listed before their first use (E2B's list_contexts shows them)
 
 
 class ContextNotFound(KeyError):
@@ -37,9 +40,19 @@ class Context:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Whether the sandbox-level env vars have been pushed into this kernel since it (re)started.
     sandbox_envs_applied: bool = False
+    starting: asyncio.Task[None] | None = None  # the kernel's start; None for a listed default not used yet
 
     def to_json(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    async def ready(self) -> None:
+        """The kernel has started: a listed default's starts now (once, whoever asks; again after a failure)."""
+        if self.starting is not None and self.starting.done() and (
+                self.starting.cancelled() or self.starting.exception() is not None):
+            self.starting = None
+        if self.starting is None:
+            self.starting = asyncio.create_task(self.kernel.start(), name=f"kernel-start-{self.id}")
+        await asyncio.shield(self.starting)
 
 
 class Execution:
@@ -49,8 +62,10 @@ class Execution:
                  sandbox_envs: Mapping[str, str], inherited: Mapping[str, str]) -> None:
         self.ctx = ctx
         # Sandbox-level vars the kernel did not inherit from the bridge's own environment. Usually
-        # none: pushing them costs an execution, which some kernels (tslab) count.
-        self._missing_envs = {k: v for k, v in sandbox_envs.items() if inherited.get(k) != v}
+        # none: pushing them costs an execution, which some kernels (tslab) count. Java's kernel gets them all:
+        # it makes each a system property too (E2B's Java users read System.getProperty).
+        self._missing_envs = {k: v for k, v in sandbox_envs.items()
+                              if inherited.get(k) != v or ctx.language == "java"}
         self.lines: asyncio.Queue[Line] = asyncio.Queue()
         self._code = code
         self._env_vars = dict(env_vars)
@@ -80,6 +95,7 @@ class Execution:
                 if self._abandoned:
                     return
                 try:
+                    await ctx.ready()
                     if not ctx.sandbox_envs_applied:
                         await self._silent(languages.env_code(ctx.language, self._missing_envs))
                         ctx.sandbox_envs_applied = True
@@ -111,6 +127,7 @@ class Contexts:
         self._available = dict(available)
         self._contexts: dict[str, Context] = {}
         self._defaults: dict[str, asyncio.Task[Context]] = {}
+        self._listed: dict[str, Context] = {}  # default contexts listed, their kernels not started yet
 
     @property
     def languages(self) -> list[str]:
@@ -123,12 +140,15 @@ class Contexts:
                 f"Language '{language}' is not available in this sandbox (no kernel installed for it)")
         return self._available[language]
 
-    async def create(self, language: str | None = None, cwd: str | None = None, *,
-                     default: bool = False) -> Context:
+    def _new(self, language: str | None, cwd: str | None, default: bool) -> Context:
         lang = languages.normalize(language)
         kernel = Kernel(self._kernel_for(lang), self._with_cwd(cwd), languages.kernel_arguments(lang, default))
-        await kernel.start()
-        ctx = Context(id=str(uuid.uuid4()), language=lang, cwd=cwd or self._spec.cwd, kernel=kernel)
+        return Context(id=str(uuid.uuid4()), language=lang, cwd=cwd or self._spec.cwd, kernel=kernel)
+
+    async def create(self, language: str | None = None, cwd: str | None = None, *,
+                     default: bool = False) -> Context:
+        ctx = self._new(language, cwd, default)
+        await ctx.ready()
         self._contexts[ctx.id] = ctx
         return ctx
 
@@ -141,6 +161,10 @@ class Contexts:
         """The language's default context, created (once, even under concurrent calls) on first use."""
         lang = languages.normalize(language)
         self._kernel_for(lang)
+        listed = self._listed.get(lang)
+        if listed is not None and listed.id in self._contexts:
+            await listed.ready()
+            return listed
         task = self._defaults.get(lang)
         if task is not None and task.done() and (task.cancelled() or task.exception() is not None
                                                  or task.result().id not in self._contexts):
@@ -151,10 +175,25 @@ class Contexts:
         return await asyncio.shield(task)
 
     def start_defaults(self, langs: list[str]) -> None:
-        for lang in langs:
-            if lang in self._available:
-                self._defaults[lang] = asyncio.create_task(self.create(lang, default=True),
-                                                          name=f"default-{lang}")
+        """Start `langs`' default contexts now; list those of LISTED too, to start on their first use. Listed in
+        LISTED's order, then `langs`' (`contexts[-1]` is then the context a user made last, as with E2B)."""
+        for lang in [*LISTED, *(lang for lang in langs if lang not in LISTED)]:
+            if lang not in self._available:
+                continue
+            ctx = self._new(lang, None, default=True)
+            self._contexts[ctx.id] = ctx
+            if lang in langs:
+                self._defaults[lang] = asyncio.create_task(self._start_default(ctx), name=f"default-{lang}")
+            else:
+                self._listed[lang] = ctx
+
+    async def _start_default(self, ctx: Context) -> Context:
+        try:
+            await ctx.ready()
+        except BaseException:
+            self._contexts.pop(ctx.id, None)  # a default that failed is not listed; the next use makes another
+            raise
+        return ctx
 
     async def wait_defaults(self) -> list[str]:
         """Once the default contexts being started have started or failed: the languages that started."""
@@ -178,6 +217,10 @@ class Contexts:
 
     async def restart(self, context_id: str) -> None:
         ctx = self.get(context_id)
+        if ctx.starting is None:  # a listed default never used: starting it is restarting it
+            await ctx.ready()
+            return
+        await ctx.ready()
         await ctx.kernel.restart()
         ctx.sandbox_envs_applied = False
 
@@ -185,6 +228,9 @@ class Contexts:
         ctx = self._contexts.pop(context_id, None)
         if ctx is None:
             raise ContextNotFound(context_id)
+        if ctx.starting is not None:
+            with contextlib.suppress(Exception):
+                await ctx.ready()  # a start under way ends before the kernel is stopped
         await ctx.kernel.shutdown()
 
     def run(self, ctx: Context, code: str, env_vars: Mapping[str, str],
@@ -199,5 +245,9 @@ class Contexts:
         results: list[Any] = await asyncio.gather(*self._defaults.values(), return_exceptions=True)
         del results
         for ctx in list(self._contexts.values()):
+            if ctx.starting is not None and not ctx.starting.done():
+                ctx.starting.cancel()
+                with contextlib.suppress(BaseException):
+                    await ctx.starting
             await ctx.kernel.shutdown()
         self._contexts.clear()

@@ -213,6 +213,8 @@ class JavaKernel(Kernel):  # type: ignore[misc]  # ipykernel ships no types: Ker
         yield from self._request("EVAL", code)
 
     def _stream(self, kind: str, text: str, silent: bool) -> None:
+        # As E2B's Java kernel: a printed line comes without its newline (`println("hi")` is ["hi"]).
+        text = text[:-1] if text.endswith("\n") else text
         if text and not silent:
             self.send_response(self.iopub_socket, "stream",
                                {"name": "stdout" if kind == "OUT" else "stderr", "text": text})

@@ -2,7 +2,8 @@
 // this JVM ("local" execution, so no JDI socket that a checkpoint could drop), driven over two pipes whose file
 // descriptors are its arguments (not stdin and stdout, which the snippets' child processes may inherit).
 //
-// Requests, one a line, every field base64: EVAL code | SETENV name value | UNSETENV name.
+// Requests, one a line, every field base64: EVAL code | SETENV name value | UNSETENV name (the environment and
+// the system property of that name).
 // Answers, one a line, every field base64: READY once at start; for each request any of
 //   OUT bytes | ERR bytes            what the snippets wrote to System.out / System.err (UTF-8, split anywhere)
 //   RESULT text                      the value of the cell's last snippet, if it is an expression
@@ -148,8 +149,16 @@ public final class JShellRunner {
             try {
                 switch (parts[0]) {
                     case "EVAL" -> eval(shell, decode(parts[1]));
-                    case "SETENV" -> environment().put(decode(parts[1]), decode(parts[2]));
-                    case "UNSETENV" -> environment().remove(decode(parts[1]));
+                    // Both the environment and a system property: E2B's Java kernel gives env vars as
+                    // System.getProperty(name), and System.getenv is what Java users would try first.
+                    case "SETENV" -> {
+                        environment().put(decode(parts[1]), decode(parts[2]));
+                        System.setProperty(decode(parts[1]), decode(parts[2]));
+                    }
+                    case "UNSETENV" -> {
+                        environment().remove(decode(parts[1]));
+                        System.clearProperty(decode(parts[1]));
+                    }
                     default -> send("ERROR", "ProtocolError", "unknown request " + parts[0], "");
                 }
             } catch (Exception e) {

@@ -5,7 +5,8 @@ imported until user code imports it (kernels start faster):
 - `e2b/data`: a pandas DataFrame as {column: [values…]}, JSON-safe (NaN → null, times ISO-8601).
 - `e2b/chart`: a matplotlib Figure as the SDK's chart model (e2b_charts, E2B's own extractor),
   recognised without importing matplotlib.
-Matplotlib figures already render as PNG through ipykernel's inline backend.
+Matplotlib figures already render as PNG through ipykernel's inline backend. A PIL image's `show()` and `save()`
+display it too, as E2B's kernels do.
 """
 
 
@@ -77,5 +78,74 @@ def _e2b_register_formatters() -> None:
             shell.display_formatter.active_types.append(mime)
 
 
+def _e2b_pil_displays() -> None:
+    """As E2B's kernels: a PIL image's `show()` displays it, and so does its `save()` (after saving), so both come
+    back as a PNG result. Patched when PIL.Image is first imported, not before: kernels start no slower."""
+    import sys
+    from importlib.abc import MetaPathFinder
+    from importlib.machinery import ModuleSpec, PathFinder
+    from types import ModuleType
+    from typing import Any
+
+    def patch(module: ModuleType) -> None:
+        import os
+        import threading
+
+        from IPython.display import display
+
+        image_class = module.Image
+        saving = image_class.save
+        shown = threading.local()  # displaying renders the PNG with save(): not displayed again from in there
+
+        def show_once(image: Any) -> None:
+            if getattr(shown, "now", False):
+                return
+            shown.now = True
+            try:
+                display(image)
+            finally:
+                shown.now = False
+
+        def show(self: Any, *args: Any, **kwargs: Any) -> None:
+            show_once(self)
+
+        def save(self: Any, fp: Any, *args: Any, **kwargs: Any) -> Any:
+            done = saving(self, fp, *args, **kwargs)
+            # Into a file: shown too. Not into a buffer (a PNG being rendered), nor matplotlib's savefig (the
+            # figure is shown as itself, with its chart).
+            caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+            if isinstance(fp, (str, os.PathLike)) and not caller.startswith("matplotlib"):
+                show_once(self)
+            return done
+
+        image_class.show, image_class.save = show, save
+
+    if "PIL.Image" in sys.modules:
+        patch(sys.modules["PIL.Image"])
+        return
+
+    class PatchOnImport(MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> ModuleSpec | None:
+            if name != "PIL.Image":
+                return None
+            sys.meta_path.remove(self)
+            spec = PathFinder.find_spec(name, path)
+            loader = spec.loader if spec is not None else None
+            if loader is None or not hasattr(loader, "exec_module"):
+                return spec
+            run = loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                run(module)
+                patch(module)
+
+            loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, PatchOnImport())
+
+
 _e2b_register_formatters()
 del _e2b_register_formatters
+_e2b_pil_displays()
+del _e2b_pil_displays
