@@ -46,8 +46,13 @@ $(JS_TESTS)/node_modules/.installed: $(JS_TESTS)/package-lock.json
 up: setup
 	@names=$$($(BIN)/python -c "from keepstate.template.definition import load_all; print(' '.join(load_all()))"); \
 	for t in $$names; do $(BIN)/keepstate template build $$t >/dev/null || exit 1; done; \
-	echo "export E2B_API_URL=http://$(LISTEN) E2B_SANDBOX_URL=http://$(LISTEN) E2B_API_KEY=$$($(BIN)/keepstate keys dev)"; \
-	exec $(BIN)/keepstate serve --listen $(LISTEN) --warm $$(echo $$names | tr ' ' ,)
+	key=$$($(BIN)/keepstate keys dev); ca=$$($(BIN)/keepstate tls trust 2>/dev/null); \
+	echo "# E2B_DOMAIN alone, as the next major SDK knows it (https://api.localhost:3443; *.localhost must resolve"; \
+	echo "# to this host: systemd-resolved or libnss-myhostname do that; in production a wildcard DNS name, serve --domain):"; \
+	echo "export E2B_DOMAIN=localhost:3443 E2B_API_KEY=$$key SSL_CERT_FILE=$$ca NODE_EXTRA_CA_CERTS=$$ca"; \
+	echo "# or, with any SDK release before it:"; \
+	echo "export E2B_API_URL=http://$(LISTEN) E2B_SANDBOX_URL=http://$(LISTEN) E2B_API_KEY=$$key"; \
+	exec $(BIN)/keepstate serve --listen $(LISTEN) --tls-self-signed --warm $$(echo $$names | tr ' ' ,)
 
 # Static checks first (ruff, mypy, generated protocol modules, the agent's generated pins), then every test.
 test: setup lint proto-check

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: unit and component tests, then the SDK tests against one shared KeepState
-# server with real gVisor sandboxes, with the newest e2b SDK, again with e2b==2.50.0 (the last on
-# the v1 routes) and the control-plane ones with e2b==2.45.0 (it checks the API key's format); the
-# agent tests run once more against an agent process on the host (what the router keeps private); and the SDK
-# suites that exercise state once more against a server on PostgreSQL.
+# server with real gVisor sandboxes, with the newest e2b SDK; the agent tests once more against an agent process
+# on the host (what the router keeps private); the whole SDK suite again with clients that know only E2B_DOMAIN
+# (the newest SDKs, e2b==2.50.0, the last on the v1 routes, and the control-plane tests with e2b==2.45.0, which
+# checks the API key's format); and the SDK suites that exercise state once more against a server on PostgreSQL.
 # The templates are built first, on the real network (apt mirrors); everything after that runs inside a network
 # namespace of its own (scripts/isolated.sh) linked only to a fake internet (keepstate.testing.internet), so no
 # test can reach a real address whatever the code under test does.
@@ -34,6 +34,8 @@ pg_state=$KEEPSTATE_TEST_HOME/postgres.json
 cleanup() {
   if [ -n "$server" ]; then kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true; fi
   if [ -n "$pg_server" ]; then kill -TERM "$pg_server" 2>/dev/null && wait "$pg_server" 2>/dev/null || true; fi
+  if [ -n "${d_server:-}" ]; then kill -TERM "$d_server" 2>/dev/null && wait "$d_server" 2>/dev/null || true; fi
+  if [ -n "${d_dns:-}" ]; then kill -TERM "$d_dns" 2>/dev/null || true; fi
   $BIN/python -m keepstate.testing.postgres down --state "$pg_state" || true
   $BIN/python -m keepstate.testing.internet down --state "$internet" || true
   # The server's data directory (catalog, event logs, checkpoint store: ~200 MB) is kept only for a failed run.
@@ -71,12 +73,39 @@ $BIN/python -m pytest -n 2 -p no:cacheprovider tests "$@" || status=$?
 echo "== agent tests in host mode: an agent process on this host behind a control-plane stub (/init, tokens)"
 env -u KEEPSTATE_TEST_API -u KEEPSTATE_TEST_KEY $BIN/python -m pytest -n 2 -p no:cacheprovider tests/agent \
   || status=$?
-echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes"
-KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent \
-  || status=$?
-echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request"
-.venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . \
-  tests/sdk/test_control_plane.py || status=$?
+# Clients that know only E2B_DOMAIN (the next major SDK drops E2B_API_URL and E2B_SANDBOX_URL): a server of its own
+# with TLS on 127.0.0.1:443 for the domain ks.test, whose names (api.ks.test, <port>-<id>.ks.test) only the
+# clients resolve, through a resolver of this run (keepstate.testing.domain_dns) in a mount namespace of their own.
+domain=ks.test
+d_home=$KEEPSTATE_TEST_HOME/by-domain
+mkdir -p "$d_home"
+d_logs=$d_home/server.log
+d_port=$($BIN/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+$BIN/python -m keepstate.testing.domain_dns serve --listen 127.0.0.53 --domain $domain >"$d_home/dns.log" 2>&1 &
+d_dns=$!
+KEEPSTATE_HOME=$d_home $BIN/keepstate serve --listen 127.0.0.1:$d_port --tls-self-signed --tls-listen 127.0.0.1:443 \
+  --domain $domain --pool-size 2 --warm "$(echo $names | tr ' ' ,)" --reap-on-exit "${serve_flags[@]}" \
+  >"$d_logs" 2>&1 &
+d_server=$!
+wait_serving "$d_server" "http://127.0.0.1:$d_port" "$d_logs"
+d_key=$(KEEPSTATE_HOME=$d_home $BIN/keepstate keys create tests 2>/dev/null)
+cat "$d_home/tls/router-ca.pem" "$(state ca_file)" >"$d_home/ca-bundle.pem"
+by_domain() {
+  KEEPSTATE_TEST_API=http://127.0.0.1:$d_port KEEPSTATE_TEST_KEY=$d_key KEEPSTATE_TEST_HOME=$d_home \
+    KEEPSTATE_TEST_DOMAIN=$domain SSL_CERT_FILE=$d_home/ca-bundle.pem NODE_EXTRA_CA_CERTS=$d_home/ca-bundle.pem \
+    $BIN/python -m keepstate.testing.domain_dns run --resolver 127.0.0.53 -- "$@"
+}
+echo "== the whole SDK suite again, Python and JS, with only E2B_DOMAIN=$domain set (https://api.$domain)"
+by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python $BIN/python -m pytest -n 2 \
+  -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
+echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes, by domain"
+by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest \
+  -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
+echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request, by domain"
+by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL .venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider \
+  -c tests/sdk/pytest.ini --rootdir . tests/sdk/test_control_plane.py || status=$?
+kill -TERM "$d_server" "$d_dns" 2>/dev/null && wait "$d_server" 2>/dev/null || true
+d_server=
 echo "== SDK tests (newest e2b: control plane, durability, commands, files) again against a server on PostgreSQL"
 # Its own PostgreSQL 15 (Debian's, as the postgres user, on a Unix socket in a temporary directory), its own data
 # directory; only this server gets the URL: the servers tests start themselves stay on SQLite.
@@ -98,5 +127,6 @@ pg_server=
 if [ $status -ne 0 ]; then
   echo "== server log (last 80 lines)"; tail -n 80 "$logs"
   echo "== the server on PostgreSQL: its log (last 40 lines)"; tail -n 40 "$pg_logs"
+  echo "== the server reached by its domain: its log (last 40 lines)"; tail -n 40 "$d_logs"
 fi
 exit $status

@@ -16,6 +16,18 @@ from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord  # type: ignore[impo
 TTL = 60
 
 
+def lookup(table: dict[str, str], name: str) -> str | None:
+    """`name`'s address: its own entry, else that of the nearest wildcard above it (`*.example.test`)."""
+    if name in table:
+        return table[name]
+    labels = name.split(".")
+    for i in range(1, len(labels)):
+        address = table.get("*." + ".".join(labels[i:]))
+        if address is not None:
+            return address
+    return None
+
+
 def answer(data: bytes, table: dict[str, str], log: list[dict[str, Any]], client: str) -> bytes | None:
     """The reply to one DNS message, or None for bytes that are not one (dropped, as a real server would)."""
     try:
@@ -26,7 +38,7 @@ def answer(data: bytes, table: dict[str, str], log: list[dict[str, Any]], client
     for q in query.questions:
         name = str(q.qname).rstrip(".").lower()
         log.append({"name": name, "type": QTYPE.get(q.qtype, str(q.qtype)), "client": client, "time": time.time()})
-        address = table.get(name)
+        address = lookup(table, name)
         if address is None:
             reply.header.rcode = RCODE.NXDOMAIN
         elif q.qtype in (QTYPE.A, QTYPE.ANY):

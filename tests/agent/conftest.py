@@ -74,7 +74,7 @@ def agent(sandbox_user: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _swap_env(values: dict[str, str]) -> dict[str, str | None]:
-    keys = ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DEBUG", "NO_PROXY")
+    keys = ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DOMAIN", "E2B_DEBUG", "NO_PROXY")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.pop("E2B_DEBUG", None)
     os.environ.update(values)
@@ -93,8 +93,13 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlaneStub | None]:
     """Points the SDK at a control plane: the real server (None is yielded) or a stub over the host agent."""
     if REMOTE:
-        saved = _swap_env({"E2B_API_KEY": REMOTE_KEY, "E2B_API_URL": REMOTE_API, "E2B_SANDBOX_URL": REMOTE_API,
-                           "NO_PROXY": "127.0.0.1,localhost"})
+        domain = os.environ.get("KEEPSTATE_TEST_DOMAIN")  # the server reached by its domain only (test.sh)
+        saved = _swap_env({"E2B_API_KEY": REMOTE_KEY, "NO_PROXY": "127.0.0.1,localhost",
+                           **({"E2B_DOMAIN": domain} if domain else
+                              {"E2B_API_URL": REMOTE_API, "E2B_SANDBOX_URL": REMOTE_API})})
+        if domain:
+            os.environ.pop("E2B_API_URL", None)
+            os.environ.pop("E2B_SANDBOX_URL", None)
         yield None
         _restore_env(saved)
         return

@@ -10,7 +10,7 @@ import http from 'node:http'
 import { Sandbox } from 'e2b/dist/index.mjs'
 
 const STEP = { timeout: 120_000 }
-const server = new URL(process.env.E2B_SANDBOX_URL)
+const server = new URL(process.env.KEEPSTATE_TEST_API ?? process.env.E2B_SANDBOX_URL) // plain HTTP, the router's
 
 // GET / of a port URL through the server's listener: { status, body }.
 function get(host, headers = {}) {

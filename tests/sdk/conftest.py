@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sdkharness import Server, make_key, start_server
+from sdkharness import Server, apply_env, client_env, make_key, start_server
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +35,7 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture(scope="session", autouse=True)
 def e2b_env(server: Server) -> None:
-    os.environ["E2B_API_URL"] = server.url
-    os.environ["E2B_SANDBOX_URL"] = server.url
-    os.environ["E2B_API_KEY"] = server.key
+    apply_env(client_env(server.url, server.key))
     os.environ.pop("E2B_DEBUG", None)
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
 

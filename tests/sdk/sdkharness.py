@@ -21,6 +21,29 @@ TEMPLATE_CACHE = "/var/lib/keepstate/templates"
 AGENT_PORT = 49983  # E2B's envd port (keepstate.ports.AGENT_PORT), spelled out: no keepstate imports here
 
 T = TypeVar("T")
+# The shared server reached by its domain only (scripts/test.sh's E2B_DOMAIN pass): `api.<domain>` and
+# `<port>-<id>.<domain>` over HTTPS, resolved by keepstate.testing.domain_dns, its CA in SSL_CERT_FILE.
+DOMAIN = os.environ.get("KEEPSTATE_TEST_DOMAIN") or None
+
+
+def client_env(url: str, key: str) -> dict[str, str | None]:
+    """What the SDK is told to reach the server at `url` (None: unset): only E2B_DOMAIN when it is the shared server
+    and the run says so (KEEPSTATE_TEST_DOMAIN), else E2B_API_URL and E2B_SANDBOX_URL, as before the next major SDK
+    drops them."""
+    if DOMAIN and url == os.environ.get("KEEPSTATE_TEST_API"):
+        return {"E2B_DOMAIN": DOMAIN, "E2B_API_URL": None, "E2B_SANDBOX_URL": None, "E2B_API_KEY": key}
+    return {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key, "E2B_DOMAIN": None}
+
+
+def apply_env(values: dict[str, str | None], env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set (None: unset) `values` in `env`, os.environ by default; returns the mapping changed."""
+    target: Any = os.environ if env is None else env
+    for k, v in values.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = v
+    return target  # type: ignore[no-any-return]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], every: float = 0.1) -> T:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from e2b import Sandbox
-from e2b.exceptions import SandboxException
 from e2b.sandbox.commands.command_handle import CommandExitException
 
 from sdkharness import Server, has_snapshot_modes, pause_files, start_marker, survived
@@ -123,17 +122,24 @@ def test_filesystem_pause_keeps_files_and_cold_boots(server: Server) -> None:
         again.kill()
 
 
-def test_rebooting_a_sandbox_paused_with_memory_is_refused(server: Server) -> None:
+def test_concurrent_connects_of_a_sandbox_paused_with_memory_resume_it_once(server: Server) -> None:
+    """Two reboots (on_resume="reboot": its files taken out of its memory image, then a new boot) and a restore
+    at once: one of them resumes it, the others find it running (a no-op connect, as E2B documents)."""
     sbx = Sandbox.create(timeout=300)
     try:
+        sbx.files.write("/home/user/kept.txt", "kept")
         sbx.pause()
-        with pytest.raises(SandboxException) as err:
-            Sandbox.connect(sbx.sandbox_id, on_resume="reboot")
-        assert "paused with memory" in str(err.value)
-        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
-        # a running sandbox: reboot is a no-op, as E2B documents
-        running = Sandbox.connect(sbx.sandbox_id)
-        assert Sandbox.connect(sbx.sandbox_id, on_resume="reboot").sandbox_id == running.sandbox_id
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda how: Sandbox.connect(sbx.sandbox_id, on_resume=how),
+                                ["reboot", "reboot", "restore"]))
+        assert {g.sandbox_id for g in got} == {sbx.sandbox_id}
+        assert got[0].files.read("/home/user/kept.txt") == "kept"
+        status, history = raw(server, "GET", f"/sandboxes/{sbx.sandbox_id}/events?verify=true")
+        assert status == 200 and history["verified"]["ok"] is True
+        assert [e["kind"] for e in history["events"]].count("sandbox.resume") == 1
+        boot = got[0].files.read("/proc/sys/kernel/random/boot_id")
+        assert Sandbox.connect(sbx.sandbox_id, on_resume="reboot").files.read(
+            "/proc/sys/kernel/random/boot_id") == boot  # running: reboot is a no-op
     finally:
         Sandbox.kill(sbx.sandbox_id)
 

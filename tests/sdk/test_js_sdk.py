@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sdkharness import REPO, Server
+from sdkharness import REPO, Server, apply_env, client_env
 
 JS = REPO / "tests" / "js"
 NODE_DEADLINE = 240  # seconds; the scenarios take well under a minute
@@ -45,8 +45,8 @@ def test_js_sdk_scenarios(server: Server) -> None:
         pytest.skip("tests/js/node_modules is absent (`make setup` runs `npm ci` in tests/js)")
     files = sorted(str(p.relative_to(REPO)) for p in JS.glob("*.test.mjs"))
     assert files, f"no *.test.mjs in {JS}"
-    env = {**os.environ, "E2B_API_URL": server.url, "E2B_SANDBOX_URL": server.url, "E2B_API_KEY": server.key,
-           "NO_PROXY": "127.0.0.1,localhost"}
+    env = apply_env(client_env(server.url, server.key),
+                    {**os.environ, "KEEPSTATE_TEST_API": server.url, "NO_PROXY": "127.0.0.1,localhost"})
     env.pop("E2B_DEBUG", None)
     # `node --test` runs each file in a child process: a session of its own lets a deadline end them all.
     proc = subprocess.Popen([node, "--test", "--test-reporter=spec", *files], cwd=REPO, env=env,
