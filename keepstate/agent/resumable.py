@@ -18,8 +18,6 @@ from keepstate.agent.asgi import HTTPError, Message, Receive, Scope, Send
 
 log = logging.getLogger("keepstate.agent")
 STREAM_HEADER = "x-keepstate-stream"
-RESUMABLE_PATHS = frozenset({"/process.Process/Start", "/process.Process/Connect",
-                             "/filesystem.Filesystem/WatchDir"})
 WINDOW = 60.0  # seconds a stream without a reader is kept
 KEEP_BEHIND = 4 << 20  # bytes kept after they were sent: what can be in flight when a connection is cut
 LIMIT = 16 << 20  # bytes a stream without a reader may hold before it is dropped
@@ -28,8 +26,8 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def stream_id(scope: Scope) -> str | None:
-    """The id of a request whose stream is to be resumable, if it is one."""
-    if scope.get("method") != "POST" or scope.get("path") not in RESUMABLE_PATHS:
+    """The id of a request whose answer is to be resumable, if it is one (a POST the host's router marked)."""
+    if scope.get("method") != "POST":
         return None
     for k, v in scope.get("headers", ()):
         if k == b"x-keepstate-stream":

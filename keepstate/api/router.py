@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from keepstate.agent.resumable import RESUMABLE_PATHS, STREAM_HEADER
+from keepstate.agent.resumable import STREAM_HEADER
 from keepstate.ports import AGENT_PORT
 from keepstate.sandbox.agent_client import InFlight
 from keepstate.sandbox.manager import SandboxManager
@@ -48,6 +48,10 @@ _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
 _HOP_RAW = {h.encode() for h in _HOP} | {b"expect"}
 _DEFAULT_PORT = {"http": 80, "https": 443}
 BUFFERED_BODY = 1 << 16  # a request body up to this size is read whole before it is relayed (it can be sent twice)
+# The agent's streaming RPCs: their requests (a command line and its environment, a watch: a few KiB, never more than
+# exec takes) are read whole even when chunked, so that they are resumable like any request held whole.
+STREAMING_RPCS = frozenset({"/process.Process/Start", "/process.Process/Connect", "/filesystem.Filesystem/WatchDir"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # sent again when a snapshot cut them before their answer
 RESUMABLE_BODY = 4 << 20  # a command's request (its line and environment) is read whole, up to this (exec's own
 # limit is 2 MiB); a resumable stream's request is sent again on its resume
 HEADERS_WAIT = 0.002  # seconds an answer's headers wait for its first body bytes, to go out with them
@@ -257,7 +261,6 @@ class Router:
             timer[0].cancel()
 
     async def _http(self, request: web.Request, row: SandboxRow, port: int, flight: InFlight) -> web.StreamResponse:
-        pool = self.agents.proxy_pool(row.sandbox_id)
         scheme, host = self.inbound.upstream(row, port)
         if host is None:
             host = row.address if port == _DEFAULT_PORT[scheme] else f"{row.address}:{port}"
@@ -265,12 +268,10 @@ class Router:
         head = [f"{request.method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("utf-8", "surrogateescape")]
         head += [name + b": " + value + b"\r\n" for name, value in request.raw_headers if name.lower() not in _HOP_RAW]
         body, streamed, chunked = b"", False, False
-        # A command's or a watch's stream: the agent keeps it for us to pick up again if a snapshot cuts it. Its
-        # request (a command line and its environment: a few KiB, never more than exec takes) is read whole.
-        resumable = port == AGENT_PORT and request.method == "POST" and request.path in RESUMABLE_PATHS
+        whole = port == AGENT_PORT and request.method == "POST" and request.path in STREAMING_RPCS
         if request.body_exists:
             length = request.content_length
-            if length is not None and length <= BUFFERED_BODY or resumable:
+            if length is not None and length <= BUFFERED_BODY or whole:
                 try:
                     body = await _whole(request, RESUMABLE_BODY)  # the request can be sent again if need be
                 except (ConnectionError, aiohttp.ClientError):
@@ -284,8 +285,10 @@ class Router:
             else:
                 streamed = chunked = True
                 head.append(b"Transfer-Encoding: chunked\r\n")
-        flight.resumable = resumable
-        stream = secrets.token_hex(16) if resumable else ""
+        # A POST into the agent held whole (an RPC, a small upload): the agent keeps its answer for us to pick up
+        # again if a snapshot's gate cuts it, so it runs once whatever the cut (docs/design/resumable-streams.md).
+        flight.resumable = port == AGENT_PORT and request.method == "POST" and not streamed
+        stream = secrets.token_hex(16) if flight.resumable else ""
         if stream:
             head.append(b"X-KeepState-Stream: %s\r\n" % stream.encode())
         head.append(b"\r\n")
@@ -297,7 +300,7 @@ class Router:
         try:
             while True:
                 try:
-                    conn = await pool.connect(scheme, row.address, port)
+                    conn = await self.agents.proxy_pool(row.sandbox_id).connect(scheme, row.address, port)
                 except OSError:
                     if flight.cut or self.manager.route(row.sandbox_id) is None:
                         return not_found(row.sandbox_id)
@@ -315,6 +318,8 @@ class Router:
                     await asyncio.sleep(0.1)
                     continue
                 except (TimeoutError, UpstreamError):
+                    if flight.held and await self._after_gate(row, flight):
+                        continue  # nothing was sent: send it now that the snapshot is taken
                     return not_found(row.sandbox_id)
                 conn.begin(request.method)
                 try:
@@ -330,7 +335,16 @@ class Router:
                     if conn.reused and not streamed and not flight.cut:
                         conn.close()
                         continue
-                    resumed = await self._resume(row, flight, stream, 0, host) if flight.resume else None
+                    if flight.held and not flight.resume and request.method in SAFE_METHODS and not streamed:
+                        conn.close()
+                        if await self._after_gate(row, flight):
+                            continue  # a read cut by a snapshot before its answer: asked again
+                        return not_found(row.sandbox_id)
+                    try:
+                        resumed = await self._resume(row, flight, stream, 0, host) if flight.resume else None
+                    except _NeverArrived:
+                        conn.close()
+                        continue  # the cut came before the agent read it: it never ran, so it is sent now
                     if resumed is None:
                         return not_found(row.sandbox_id)
                     conn, answer = resumed
@@ -379,8 +393,11 @@ class Router:
                     try:
                         chunk = await conn.chunk()
                     except UpstreamError:
-                        resumed = await self._resume(row, flight, stream, streamed_bytes, host) \
-                            if flight.resume else None
+                        try:
+                            resumed = await self._resume(row, flight, stream, streamed_bytes, host) \
+                                if flight.resume else None
+                        except _NeverArrived:
+                            resumed = None  # its answer had started: the agent had it; gone since (expired)
                         if resumed is None:
                             raise
                         conn = resumed[0]
@@ -420,6 +437,14 @@ class Router:
             if not released:
                 conn.close()
 
+    async def _after_gate(self, row: SandboxRow, flight: InFlight) -> bool:
+        """Once a snapshot's gate has opened: whether the sandbox still runs here (the flight is in flight again)."""
+        await self.agents.admit(row.sandbox_id)
+        if self.manager.route(row.sandbox_id) is None:
+            return False
+        self.agents.rejoin(row.sandbox_id, flight)
+        return True
+
     async def _resume(self, row: SandboxRow, flight: InFlight, stream: str, offset: int,
                       host: str) -> tuple[Connection, Head] | None:
         """Pick a stream cut by a snapshot's gate up again at body byte `offset`, once the gate has opened
@@ -443,6 +468,9 @@ class Router:
                 if flight.resume:
                     continue  # cut again, by the next snapshot's gate
                 return None
+            if answer.status == 404 and offset == 0:
+                conn.close()
+                raise _NeverArrived()
             if answer.status != 200:
                 log.warning("a stream into sandbox %s could not be resumed at byte %d after a checkpoint: %d",
                             row.sandbox_id, offset, answer.status)
@@ -475,6 +503,11 @@ class Router:
             raise
         await pipe(ws, upstream)  # both ways, a close's code and reason included, until both ends are closed
         return ws
+
+
+class _NeverArrived(Exception):
+    """A resume found no stream: the snapshot's cut came before the agent read the request (the gate opens only once
+    the sandbox has answered every close, so it has read all it ever will), so it never ran."""
 
 
 async def _whole(request: web.Request, limit: int) -> bytes:

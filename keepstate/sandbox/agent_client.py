@@ -70,8 +70,9 @@ class InFlight:
     transport: asyncio.BaseTransport | None
     started: bool = False
     cut: bool = False
-    resumable: bool = False  # the agent keeps its stream for the router to pick up (docs/design/resumable-streams.md)
-    resume: bool = False  # cut by a snapshot's gate: its client's connection stays open, the router resumes it
+    resumable: bool = False  # the agent keeps its answer for the router to pick up (docs/design/resumable-streams.md)
+    held: bool = False  # cut by a snapshot's gate (the sandbox runs on): the router may go on once it opens
+    resume: bool = False  # held and resumable: its client's connection stays open, the router resumes it
 
 
 class AgentClient:
@@ -382,7 +383,7 @@ class AgentClient:
 
     def rejoin(self, sandbox_id: str, flight: InFlight) -> None:
         """A resumed stream is in flight again: the next gate cuts it too."""
-        flight.cut = flight.resume = False
+        flight.cut = flight.resume = flight.held = False
         self._inflight.setdefault(sandbox_id, set()).add(flight)
 
     def _drop(self, sandbox_id: str, keep_resumable: bool = False) -> aiohttp.ClientSession | None:
@@ -395,6 +396,7 @@ class AgentClient:
         stream loses its upstream connection only, and the router resumes it once the gate opens."""
         for flight in list(self._inflight.pop(sandbox_id, ())):
             flight.cut = True
+            flight.held = keep_resumable
             flight.resume = keep_resumable and flight.resumable
             if flight.started and flight.transport is not None and not flight.resume:
                 flight.transport.close()

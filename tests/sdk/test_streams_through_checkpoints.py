@@ -1,6 +1,7 @@
 """A snapshot and a fork close every connection into the sandbox (gVisor's restored netstack would wedge on one);
-the client's streams must not notice: a foreground command's output and a background command's handle come through
-whole and in order (docs/design/resumable-streams.md). Before, both broke."""
+the client must not notice: a foreground command's output and a background command's handle come through whole and
+in order, and one-shot calls made all along (writes, reads, stats) all succeed, once each
+(docs/design/resumable-streams.md). Before, the streams broke and a call could get a 502."""
 
 from __future__ import annotations
 
@@ -39,8 +40,23 @@ def test_command_streams_run_through_a_snapshot_and_a_fork(new_sandbox, server) 
         except Exception as e:  # noqa: BLE001 - the test reports it
             foreground["error"] = e
 
+    stop, unary = threading.Event(), {"done": 0, "errors": []}
+
+    def files() -> None:  # one-shot calls (a write, a read, a stat) all along: none may fail for a snapshot
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                sbx.files.write(f"/tmp/u{i}", str(i))
+                assert sbx.files.read(f"/tmp/u{i}") == str(i) and sbx.files.exists(f"/tmp/u{i}")
+                unary["done"] += 1  # type: ignore[operator]
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                unary["errors"].append(repr(e))  # type: ignore[union-attr]
+
     thread = threading.Thread(target=run)
     thread.start()
+    caller = threading.Thread(target=files)
+    caller.start()
     wait_until(lambda: sbx.files.exists("/tmp/fg.started") and sbx.files.exists("/tmp/bg.started"), 20,
                "both commands to start")
     snapshot = _post(server, f"/sandboxes/{sbx.sandbox_id}/snapshots", {})  # cuts every connection into it
@@ -48,6 +64,9 @@ def test_command_streams_run_through_a_snapshot_and_a_fork(new_sandbox, server) 
     for child in forks:
         Sandbox.kill(child["sandbox"]["sandboxID"])
     thread.join(120)
+    stop.set()
+    caller.join(60)
+    assert unary["errors"] == [] and unary["done"], unary
     assert "error" not in foreground, f"the foreground command's stream broke: {foreground.get('error')!r}"
     result = foreground["result"]
     assert result.exit_code == 0  # type: ignore[attr-defined]
