@@ -139,12 +139,28 @@ def _env_vars(body: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+MAX_MCP_SERVERS = 64
+
+
+def _check_mcp(mcp: Any) -> None:
+    """E2B's `mcp` object: the SDK hands it to the sandbox's `mcp-gateway` (docs/design/mcp-gateway.md), which checks
+    each server; here only its shape, so that a bad one is a 400 before a sandbox is made."""
+    if mcp is None:
+        return
+    if not isinstance(mcp, dict) or not all(isinstance(v, dict) for v in mcp.values()):
+        raise BadRequest("`mcp` must be an object of MCP servers, each with an object of settings (e.g. "
+                         "{\"time\": {}})")
+    if len(mcp) > MAX_MCP_SERVERS:
+        raise BadRequest(f"`mcp` names {len(mcp)} servers; at most {MAX_MCP_SERVERS}")
+
+
 def parse_create(body: Any, limit: int = MAX_TIMEOUT) -> CreateRequest:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     template = body.get("templateID")
     if not isinstance(template, str) or not template.strip():
         raise BadRequest("`templateID` is required and must be a string")
+    _check_mcp(body.get("mcp"))
     timeout = _seconds(body.get("timeout", DEFAULT_TIMEOUT), limit=limit)
     if timeout <= 0:
         raise BadRequest("`timeout` must be a positive number of seconds")

@@ -18,9 +18,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from keepstate.ports import MCP_PORT
+
 from .config import CATALOG, ConfigError, ServerSpec, missing, parse
 
-PORT = 50005
+PORT = MCP_PORT
 TOKEN_FILE = "/etc/mcp-gateway/.token"
 LOG_FILE = "/var/log/mcp-gateway/gateway.log"
 PID_FILE = "/run/mcp-gateway.pid"
