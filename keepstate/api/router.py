@@ -299,9 +299,13 @@ class Router:
         refused_until: float | None = None
         try:
             while True:
+                if flight.cut and flight.held and not await self._after_gate(row, flight):
+                    return not_found(row.sandbox_id)  # cut (reading its body) by a gate after which it is gone
                 try:
                     conn = await self.agents.proxy_pool(row.sandbox_id).connect(scheme, row.address, port)
                 except OSError:
+                    if flight.held and await self._after_gate(row, flight):
+                        continue  # nothing was sent: send it now that the snapshot is taken
                     if flight.cut or self.manager.route(row.sandbox_id) is None:
                         return not_found(row.sandbox_id)
                     # A template's service that refuses is (re)starting: its supervisor restarts it with backoff.
@@ -328,6 +332,8 @@ class Router:
                         conn.body_sent = False
                         sender = asyncio.ensure_future(_send_body(request, conn, chunked))
                     answer = await conn.response()
+                    if flight.cut:  # the gate cut it just as its answer came: as if before (below)
+                        raise UpstreamError("cut by a checkpoint's gate")
                     break
                 except UpstreamError:
                     # A reused connection the sandbox had closed, unseen yet: again on another (at worst a new one),

@@ -336,7 +336,13 @@ class AgentClient:
                     await event.wait()
 
     def proxy_pool(self, sandbox_id: str) -> SandboxConnections:
-        """The sandbox's keep-alive pool of HTTP connections (a new one after the gate or a kill closed the last)."""
+        """The sandbox's keep-alive pool of HTTP connections (a new one after the gate or a kill closed the last).
+        While the gate is closed, a closed pool: no connection may be made into a sandbox being checkpointed (its
+        connect raises UpstreamError, as when the gate closed the pool under it)."""
+        if sandbox_id in self._closed:
+            closed = SandboxConnections()
+            closed.close()
+            return closed
         pool = self._pools.get(sandbox_id)
         if pool is None or pool.closed:
             pool = self._pools[sandbox_id] = SandboxConnections()

@@ -13,7 +13,7 @@ from e2b import Sandbox
 
 from sdkharness import wait_until
 
-LINES = 60
+LINES = 100
 
 
 def _post(server, path: str, body: dict) -> dict:
@@ -59,7 +59,8 @@ def test_command_streams_run_through_a_snapshot_and_a_fork(new_sandbox, server) 
     caller.start()
     wait_until(lambda: sbx.files.exists("/tmp/fg.started") and sbx.files.exists("/tmp/bg.started"), 20,
                "both commands to start")
-    snapshot = _post(server, f"/sandboxes/{sbx.sandbox_id}/snapshots", {})  # cuts every connection into it
+    snapshots = [_post(server, f"/sandboxes/{sbx.sandbox_id}/snapshots", {})  # each cuts every connection into it
+                 for _ in range(3)]
     forks = _post(server, f"/sandboxes/{sbx.sandbox_id}/fork", {"count": 1})  # and again
     for child in forks:
         Sandbox.kill(child["sandbox"]["sandboxID"])
@@ -73,4 +74,4 @@ def test_command_streams_run_through_a_snapshot_and_a_fork(new_sandbox, server) 
     assert result.stdout.split() == [f"fg-{i}" for i in range(1, LINES + 1)]  # type: ignore[attr-defined]
     done = background.wait()
     assert done.exit_code == 0 and done.stdout.split() == [f"bg-{i}" for i in range(1, LINES + 1)]
-    assert snapshot["snapshotID"]
+    assert all(snap["snapshotID"] for snap in snapshots)
