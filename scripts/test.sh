@@ -96,16 +96,17 @@ cat "$d_home/tls/router-ca.pem" "$(state ca_file)" >"$d_home/ca-bundle.pem"
 by_domain() {
   KEEPSTATE_TEST_API=http://127.0.0.1:$d_port KEEPSTATE_TEST_KEY=$d_key KEEPSTATE_TEST_HOME=$d_home \
     KEEPSTATE_TEST_DOMAIN=$domain SSL_CERT_FILE=$d_home/ca-bundle.pem NODE_EXTRA_CA_CERTS=$d_home/ca-bundle.pem \
-    $BIN/python -m keepstate.testing.domain_dns run --resolver 127.0.0.53 -- "$@"
+    $BIN/python -m keepstate.testing.domain_dns run --resolver 127.0.0.53 -- \
+    env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python "$@"
 }
 echo "== the whole SDK suite again, Python and JS, with only E2B_DOMAIN=$domain set (https://api.$domain)"
-by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python $BIN/python -m pytest -n 2 \
+by_domain $BIN/python -m pytest -n 2 \
   -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
 echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes, by domain"
-by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python .venv-e2b250/bin/python -m pytest \
+by_domain .venv-e2b250/bin/python -m pytest \
   -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
 echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request, by domain"
-by_domain env -u E2B_API_URL -u E2B_SANDBOX_URL .venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider \
+by_domain .venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider \
   -c tests/sdk/pytest.ini --rootdir . tests/sdk/test_control_plane.py || status=$?
 kill -TERM "$d_server" "$d_dns" 2>/dev/null && wait "$d_server" 2>/dev/null || true
 d_server=

@@ -14,7 +14,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 
-from keepstate.agent.asgi import HTTPError, Message, Receive, Scope, Send
+from keepstate.agent.asgi import HTTPError, Message, Receive, Scope, Send, header
 
 log = logging.getLogger("keepstate.agent")
 STREAM_HEADER = "x-keepstate-stream"
@@ -29,11 +29,8 @@ def stream_id(scope: Scope) -> str | None:
     """The id of a request whose answer is to be resumable, if it is one (a POST the host's router marked)."""
     if scope.get("method") != "POST":
         return None
-    for k, v in scope.get("headers", ()):
-        if k == b"x-keepstate-stream":
-            sid = v.decode("latin-1")
-            return sid if _ID.fullmatch(sid) else None
-    return None
+    sid = header(scope, STREAM_HEADER)
+    return sid if sid is not None and _ID.fullmatch(sid) else None
 
 
 class _Stream:

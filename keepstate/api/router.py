@@ -52,8 +52,7 @@ BUFFERED_BODY = 1 << 16  # a request body up to this size is read whole before i
 # exec takes) are read whole even when chunked, so that they are resumable like any request held whole.
 STREAMING_RPCS = frozenset({"/process.Process/Start", "/process.Process/Connect", "/filesystem.Filesystem/WatchDir"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # sent again when a snapshot cut them before their answer
-RESUMABLE_BODY = 4 << 20  # a command's request (its line and environment) is read whole, up to this (exec's own
-# limit is 2 MiB); a resumable stream's request is sent again on its resume
+RESUMABLE_BODY = 4 << 20  # a streaming RPC's request is read whole up to this (exec's own limit is 2 MiB): a 413 beyond
 HEADERS_WAIT = 0.002  # seconds an answer's headers wait for its first body bytes, to go out with them
 log = logging.getLogger("keepstate.router")
 SLOW_ANSWER = 10.0  # seconds before a sandbox's answer (its response headers) is logged as slow
@@ -290,7 +289,7 @@ class Router:
         flight.resumable = port == AGENT_PORT and request.method == "POST" and not streamed
         stream = secrets.token_hex(16) if flight.resumable else ""
         if stream:
-            head.append(b"X-KeepState-Stream: %s\r\n" % stream.encode())
+            head.append(f"{STREAM_HEADER}: {stream}\r\n".encode())
         head.append(b"\r\n")
         request_bytes = b"".join(head) + body
         asked = time.monotonic()
@@ -456,10 +455,8 @@ class Router:
         """Pick a stream cut by a snapshot's gate up again at body byte `offset`, once the gate has opened
         (docs/design/resumable-streams.md). None if it cannot be: the caller cuts its client then, as before."""
         while True:
-            await self.agents.admit(row.sandbox_id)
-            if self.manager.route(row.sandbox_id) is None:
+            if not await self._after_gate(row, flight):
                 return None
-            self.agents.rejoin(row.sandbox_id, flight)
             conn: Connection | None = None
             token = b"X-Access-Token: %s\r\n" % row.access_token.encode() if row.access_token else b""
             try:

@@ -185,9 +185,8 @@ class Checkpoints:
                 await self.instances.reap(row.with_instance(standby), keep_row=True)
         if held is None:
             assert row.settings.checkpoint_id is not None
-            manifest = await asyncio.to_thread(self.durable.manifest, row.settings.checkpoint_id)
-            built = await asyncio.to_thread(self.durable.template_for, manifest)
-            image = await asyncio.to_thread(self.durable.materialise, manifest)
+            built, image = await self._materialised(
+                await asyncio.to_thread(self.durable.manifest, row.settings.checkpoint_id))
             try:
                 async with self.instances.starts.slot():
                     handle, slot = await self.instances.restore(
@@ -196,10 +195,10 @@ class Checkpoints:
                 shutil.rmtree(image, ignore_errors=True)
             assert handle.endpoint is not None
             held = row.with_instance(Instance(handle.name, slot, handle.endpoint.address))
-        taken = held
+        inside = handle_of(held)
 
         async def export(dest: Path) -> int:
-            return await asyncio.to_thread(self.runtime.export_files, handle_of(taken), dest)
+            return await asyncio.to_thread(self.runtime.export_files, inside, dest)
 
         try:
             manifest = await self.take_files(held, export=export)
@@ -208,6 +207,11 @@ class Checkpoints:
         row.settings.checkpoint_id = manifest.checkpoint_id
         row.settings.files_only = True
         row.settings.envd_unresponsive = False  # a new boot, a new agent
+
+    async def _materialised(self, manifest: Manifest) -> tuple[Built, Path]:
+        """The template build a checkpoint was taken on, and its image on disk (every chunk verified)."""
+        built = await asyncio.to_thread(self.durable.template_for, manifest)
+        return built, await asyncio.to_thread(self.durable.materialise, manifest)
 
     # -- resume ------------------------------------------------------------------------------------------------
     async def thaw(self, row: SandboxRow, standby: Instance, timeout: int) -> bool:
@@ -237,8 +241,7 @@ class Checkpoints:
         if checkpoint_id is None:
             raise RuntimeFailure(f"paused sandbox {row.sandbox_id} has no checkpoint")
         manifest = await asyncio.to_thread(self.durable.manifest, checkpoint_id)
-        built = await asyncio.to_thread(self.durable.template_for, manifest)
-        image = await asyncio.to_thread(self.durable.materialise, manifest)
+        built, image = await self._materialised(manifest)
         memory = has_memory(manifest)
         mounts = await self.instances.mounts(row.settings.volume_mounts)
         limits = row_limits(row)
@@ -335,8 +338,7 @@ class Checkpoints:
         (`count` 1) an idempotent create chose for it (docs/design/idempotency.md)."""
         assert sandbox_id is None or count == 1
         await self.instances.mounts(parent.settings.volume_mounts)  # its volumes must all exist still (else Refused)
-        built = await asyncio.to_thread(self.durable.template_for, manifest)
-        image = await asyncio.to_thread(self.durable.materialise, manifest)
+        built, image = await self._materialised(manifest)
 
         async def one() -> SandboxRow:
             try:

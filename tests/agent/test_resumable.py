@@ -126,16 +126,21 @@ def _ticker(count: int, every: float, ran: list[int]):  # type: ignore[no-untype
     return handler
 
 
+async def _served_then_cut(streams: Streams, sid: str, handler, ticks: list[int], after: int) -> _Conn:  # type: ignore[no-untyped-def]
+    """Serve stream `sid`, cut its connection once the handler has ticked `after` times, and return that reader."""
+    first = _Conn()
+    serving = asyncio.create_task(streams.serve(sid, _scope(), first.receive, first.send, handler))
+    while len(ticks) < after:
+        await asyncio.sleep(0.005)
+    first.cut()
+    await serving
+    return first
+
+
 def test_the_handler_runs_on_without_a_reader_and_a_new_reader_gets_all_of_it() -> None:
     async def main() -> None:
         streams, ran = Streams(window=5), []
-        first = _Conn()
-        serving = asyncio.create_task(streams.serve("a" * 32, _scope(), first.receive, first.send,
-                                                    _ticker(20, 0.005, ran)))
-        while len(ran) < 3:
-            await asyncio.sleep(0.005)
-        first.cut()
-        await serving
+        first = await _served_then_cut(streams, "a" * 32, _ticker(20, 0.005, ran), ran, 3)
         while len(ran) < 20:  # on, with nobody reading
             await asyncio.sleep(0.005)
         second = _Conn()
@@ -150,13 +155,7 @@ def test_the_handler_runs_on_without_a_reader_and_a_new_reader_gets_all_of_it() 
 def test_a_stream_nobody_resumes_expires_and_its_handler_is_cancelled() -> None:
     async def main() -> None:
         streams, ran = Streams(window=0.1), []
-        first = _Conn()
-        serving = asyncio.create_task(streams.serve("b" * 32, _scope(), first.receive, first.send,
-                                                    _ticker(10_000, 0.005, ran)))
-        while not ran:
-            await asyncio.sleep(0.005)
-        first.cut()
-        await serving
+        await _served_then_cut(streams, "b" * 32, _ticker(10_000, 0.005, ran), ran, 1)
         await asyncio.sleep(0.3)
         assert len(streams) == 0
         stopped_at = len(ran)
@@ -172,13 +171,7 @@ def test_a_stream_nobody_resumes_expires_and_its_handler_is_cancelled() -> None:
 def test_a_stream_without_a_reader_is_dropped_past_its_size_limit() -> None:
     async def main() -> None:
         streams, ran = Streams(window=60, keep=8, limit=64), []
-        first = _Conn()
-        serving = asyncio.create_task(streams.serve("c" * 32, _scope(), first.receive, first.send,
-                                                    _ticker(10_000, 0.001, ran)))
-        while not ran:
-            await asyncio.sleep(0.005)
-        first.cut()
-        await serving
+        await _served_then_cut(streams, "c" * 32, _ticker(10_000, 0.001, ran), ran, 1)
         for _ in range(200):
             if not len(streams):
                 break

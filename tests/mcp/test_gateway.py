@@ -22,13 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.sdk.sdkharness import REPO, free_port
 
 
 @dataclass
@@ -64,7 +58,7 @@ class Gateway:
 def gateway(tmp_path: Path) -> Iterator[Gateway]:
     for repo in ("alpha", "beta"):
         (tmp_path / "servers" / "github" / "ks" / repo).mkdir(parents=True)  # "cloned" already: no network
-    gw = Gateway(tmp_path, _free_port(), str(uuid.uuid4()))
+    gw = Gateway(tmp_path, free_port(), str(uuid.uuid4()))
     yield gw
     gw.stop()
 

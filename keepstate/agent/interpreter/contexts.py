@@ -217,11 +217,10 @@ class Contexts:
 
     async def restart(self, context_id: str) -> None:
         ctx = self.get(context_id)
-        if ctx.starting is None:  # a listed default never used: starting it is restarting it
-            await ctx.ready()
-            return
+        never_started = ctx.starting is None  # a listed default never used: starting it is restarting it
         await ctx.ready()
-        await ctx.kernel.restart()
+        if not never_started:
+            await ctx.kernel.restart()
         ctx.sandbox_envs_applied = False
 
     async def remove(self, context_id: str) -> None:

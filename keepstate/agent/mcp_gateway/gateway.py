@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import subprocess
@@ -19,6 +18,8 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.server.lowlevel.server import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import CONNECTION_CLOSED
+
+from keepstate.agent.asgi import header, send_json
 
 from .config import ServerSpec
 
@@ -181,22 +182,15 @@ class RequireToken:
     async def __call__(self, scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "http":
             if scope["path"] == "/health":
-                await _answer(send, 200, {"status": "ok"})
+                await send_json(send, 200, {"status": "ok"})
                 return
-            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            given = (header(scope, "authorization") or "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected):
-                await _answer(send, 401, {"error": "unauthorized",
-                                          "message": "this MCP gateway needs `Authorization: Bearer <token>` "
-                                                     "(the sandbox's get_mcp_token())"})
+                await send_json(send, 401, {"error": "unauthorized",
+                                            "message": "this MCP gateway needs `Authorization: Bearer <token>` "
+                                                       "(the sandbox's get_mcp_token())"})
                 return
         await self.app(scope, receive, send)
-
-
-async def _answer(send: Callable[..., Any], status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
 
 
 async def serve(specs: list[ServerSpec], token: str, host: str, port: int, errlog: TextIO) -> None:
