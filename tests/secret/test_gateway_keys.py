@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,15 +44,23 @@ print(json.loads(answer)["choices"][0]["message"]["content"] != "")
 """
 
 
-def host_pids_whose_environ_has(needle: bytes) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
+def _environ_has(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone
+        return False
+
+
+def host_pids_whose_environ_has(needle: bytes, but: int, settle: float = 2.0) -> list[int]:
+    """Processes other than `but` that keep `needle` in their environment. A child the server has forked but not
+    yet exec'd (its conntrack, nft, ip: every few seconds) shows the server's initial environment until its exec,
+    so a holder seen once is looked at again until `settle` seconds have passed: one that still holds it is one."""
+    found = [pid for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+             if pid != but and _environ_has(pid, needle)]
+    deadline = time.monotonic() + settle
+    while found and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = [pid for pid in found if _environ_has(pid, needle)]
     return found
 
 
@@ -110,12 +119,12 @@ def test_provider_keys_never_enter_a_sandbox(server: Server, fake: FakeProvider)
         # On the host, while the sandbox runs: only the server's own initial environment holds the secrets key
         # (it drops it from its environment at start, so runsc and every other child starts without it).
         assert server.proc is not None
-        holders = [pid for pid in host_pids_whose_environ_has(SECRETS_KEY.encode()) if pid != server.proc.pid]
+        holders = host_pids_whose_environ_has(SECRETS_KEY.encode(), but=server.proc.pid)
         assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
         # Nor the provider key from the server's environment: runsc (its gofer and sandbox, alive as long as the
         # sandbox) starts with PATH only, and the server drops the variable once read, so that its short-lived
         # tools (nft, ip, conntrack) do not inherit it either (a fresh-clone run caught `nft -j list counters`).
-        holders = [pid for pid in host_pids_whose_environ_has(ENV_KEY.encode()) if pid != server.proc.pid]
+        holders = host_pids_whose_environ_has(ENV_KEY.encode(), but=server.proc.pid)
         assert holders == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in holders]
     finally:
         sbx.kill()
