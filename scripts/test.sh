@@ -19,9 +19,9 @@ if [ -z "${KEEPSTATE_TEST_ISOLATED:-}" ]; then
   KEEPSTATE_TEST_ISOLATED=1 KEEPSTATE_TEST_TEMPLATES=$names exec scripts/isolated.sh bash "$PWD/scripts/test.sh" "$@"
 fi
 names=$KEEPSTATE_TEST_TEMPLATES
-# Kept warm by the test servers: every template but mcp-gateway, whose few tests take a cold start (a pool of it
-# would hold memory for nothing the rest of the run).
-warm=$(echo $names | tr ' ' '\n' | grep -vx mcp-gateway | paste -sd, -)
+# Kept warm by the test servers: every template but mcp-gateway and desktop, whose few tests take a cold start (a
+# pool of them would hold memory for nothing the rest of the run).
+warm=$(echo $names | tr ' ' '\n' | grep -vx -e mcp-gateway -e desktop | paste -sd, -)
 
 export KEEPSTATE_TEMPLATE_CACHE=/var/lib/keepstate/templates
 # Every server the tests start checks each control-plane response against docs/openapi.yaml: a violation is a 500.

@@ -241,13 +241,13 @@ def _build(d: Definition, ddigest: str, parent: Built | None, progress: Progress
             _npm_install(rootfs, d.npm)
         else:
             step += 1
-        say(f"{len(d.run)} set-up steps and {len(d.files)} files")
-        for line in d.run:
-            _chroot(rootfs, line, f"set-up step `{line}`")
-        for src, dest in d.files.items():
+        say(f"{len(d.files)} files and {len(d.run)} set-up steps")
+        for src, dest in d.files.items():  # first, so that the steps can use them (docs/design/templates.md)
             target = rootfs / dest.lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(d.source.parent / src, target)
+        for line in d.run:
+            _chroot(rootfs, line, f"set-up step `{line}`")
         _finish_root(d, rootfs)
         say("digest of the root filesystem")
         digest = rootfs_digest(rootfs)
