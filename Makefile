@@ -70,7 +70,7 @@ agent-requirements: $(VENV)/.installed
 # Static checks (configured in pyproject.toml).
 .PHONY: lint
 lint: $(VENV)/.installed
-	@status=0; $(BIN)/ruff check keepstate tests benchmarks scripts || status=1; \
+	@status=0; $(BIN)/ruff check keepstate tests benchmarks scripts examples || status=1; \
 	$(BIN)/mypy keepstate || status=1; exit $$status
 
 # The agent's protocol modules, generated from their .proto files (keepstate/agent/proto/README.md). The code

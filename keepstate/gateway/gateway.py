@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from keepstate import netaddr
 from keepstate.db.engine import Database
 from keepstate.db.errors import DatabaseUnavailable
 from keepstate.db.repos.ledger import Attempt, BudgetRefused, CallInFlight, Ledger, Mark, Position, Run
@@ -101,8 +102,9 @@ def normal_ip(address: str) -> str:
     return str(ip)
 
 
-# The host's own callers; never a sandbox instance (those have addresses of their own, 10.88.x.y).
-HOST_PEERS = frozenset({"127.0.0.1", "::1"})
+# The host's own callers; never a sandbox instance (those have addresses of their own, 10.88.x.y). A host process
+# that reaches the gateway at the sandboxes' address for it (a sandbox's OPENAI_BASE_URL) comes from that address.
+HOST_PEERS = frozenset({"127.0.0.1", "::1", netaddr.GATEWAY_IP})
 
 
 class Gateway:

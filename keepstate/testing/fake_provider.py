@@ -4,6 +4,11 @@ Deterministic: the answer depends only on the request body. It streams (SSE) or 
 the first token and between chunks, injects faults (error statuses, hangs, streams broken mid-way), and keeps its
 own bill: the calls and tokens it served, in Python (`stats()`) and over HTTP (`GET /_fake/stats`).
 
+Scripted tool calls (`tool_script`, for agent loops such as examples/computer_use.py): a Chat Completions request
+that offers `tools` and holds N assistant messages gets the script's Nth call, `{"name": ..., "arguments": {...}}`,
+as its one `tool_calls` entry (non-streamed); past the script's end, the usual text answer. Still a function of
+the body alone, so a retried or replayed call gets the same answer.
+
     async with FakeProvider() as fake:
         client = openai.AsyncOpenAI(base_url=fake.openai_base_url, api_key="x")
 
@@ -87,9 +92,10 @@ class _Answer:
 class FakeProvider:
     def __init__(
         self, first_token_s: float = 0.0, chunk_s: float = 0.0, api_key: str | None = None, port: int = 0,
-        host: str = "127.0.0.1",
+        host: str = "127.0.0.1", tool_script: list[dict[str, Any]] | None = None,
     ) -> None:
         self.first_token_s, self.chunk_s, self.api_key = first_token_s, chunk_s, api_key
+        self.tool_script = list(tool_script or [])
         self.host, self.port = host, port
         self.faults: list[Fault] = []
         self._stats = Stats()
@@ -206,9 +212,19 @@ class FakeProvider:
                 assert request.transport is not None
                 request.transport.abort()
                 return web.Response()
-            doc = _RENDER[endpoint](rid, model, answer)
+            call = self._scripted(endpoint, body)
+            doc = _chat_tool_call(rid, model, answer, call) if call else _RENDER[endpoint](rid, model, answer)
             return self._bill_json(rid, endpoint, model, answer, doc, rid_header)
         return await self._stream(request, rid, endpoint, model, body, answer, break_after, rid_header)
+
+    def _scripted(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The tool call the script holds for this conversation's turn (its count of assistant messages), if any."""
+        if endpoint != "chat" or not self.tool_script or not body.get("tools"):
+            return None
+        messages = body.get("messages")
+        turn = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant") \
+            if isinstance(messages, list) else 0
+        return self.tool_script[turn] if turn < len(self.tool_script) else None
 
     def _bill_json(
         self, rid: str, endpoint: str, model: str, a: _Answer, doc: dict[str, Any], headers: dict[str, str]
@@ -371,6 +387,18 @@ def _chat(rid: str, model: str, a: _Answer) -> dict[str, Any]:
                      "finish_reason": a.stop, "logprobs": None}],
         "usage": _openai_usage(a),
     }
+
+
+def _chat_tool_call(rid: str, model: str, a: _Answer, call: dict[str, Any]) -> dict[str, Any]:
+    doc = _chat(rid, model, a)
+    arguments = call.get("arguments", {})
+    doc["choices"][0]["message"].update(content=None, tool_calls=[{
+        "id": "call_" + rid, "type": "function",
+        "function": {"name": str(call["name"]),
+                     "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+    }])
+    doc["choices"][0]["finish_reason"] = "tool_calls"
+    return doc
 
 
 def _message_item(rid: str, text: str, status: str) -> dict[str, Any]:

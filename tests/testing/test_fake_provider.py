@@ -118,3 +118,28 @@ def test_fake_provider_in_a_thread_serves_synchronous_callers() -> None:
         assert fake.stats().calls == 1
     with pytest.raises(OSError):  # stopped with the block
         urllib.request.urlopen(fake.openai_base_url + "/models", timeout=5)
+
+
+async def test_scripted_tool_calls_follow_the_conversation() -> None:
+    script = [{"name": "computer", "arguments": {"action": "type", "text": "echo hi"}},
+              {"name": "computer", "arguments": {"action": "key", "keys": "enter"}}]
+    tools = [{"type": "function", "function": {"name": "computer", "parameters": {"type": "object"}}}]
+    async with FakeProvider(tool_script=script) as fake:
+        oa = openai.AsyncOpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
+        first = await oa.chat.completions.create(model="m", messages=MSG, tools=tools)  # type: ignore[arg-type]
+        again = await oa.chat.completions.create(model="m", messages=MSG, tools=tools)  # type: ignore[arg-type]
+        call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "computer"  # type: ignore[union-attr]
+        assert json.loads(call.function.arguments) == script[0]["arguments"]  # type: ignore[union-attr]
+        assert again.choices[0].message.tool_calls[0].function.arguments == call.function.arguments  # type: ignore[index,union-attr]
+        turn = [*MSG, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+        second = await oa.chat.completions.create(model="m", messages=turn, tools=tools)  # type: ignore[arg-type]
+        assert json.loads(second.choices[0].message.tool_calls[0].function.arguments) == {  # type: ignore[index,union-attr]
+            "action": "key", "keys": "enter"}
+        past = [*turn, {"role": "assistant", "content": "x"}, {"role": "user", "content": "and?"}]
+        end = await oa.chat.completions.create(model="m", messages=past, tools=tools)  # type: ignore[arg-type]
+        plain = await oa.chat.completions.create(model="m", messages=MSG)
+        assert end.choices[0].message.tool_calls is None and end.choices[0].message.content
+        assert plain.choices[0].message.tool_calls is None
+        assert fake.stats().calls == 5
