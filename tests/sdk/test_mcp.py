@@ -14,7 +14,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import SandboxException
 
-from sdkharness import DOMAIN, Server
+from sdkharness import DOMAIN, Server, fake_internet
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(Sandbox, "get_mcp_url"), reason="this SDK release has no MCP option"),
@@ -32,7 +32,8 @@ def _endpoint(sbx: Sandbox, server: Server) -> tuple[str, dict[str, str]]:
     return f"{server.url}/mcp", {**auth, "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "50005"}
 
 
-def _use(url: str, headers: dict[str, str], calls: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
+def _use(url: str, headers: dict[str, str], calls: list[tuple[str, dict[str, Any]]],
+         check: bool = True) -> tuple[list[str], list[str]]:
     async def run() -> tuple[list[str], list[str]]:
         import httpx2
         from mcp.client.session import ClientSession
@@ -45,7 +46,7 @@ def _use(url: str, headers: dict[str, str], calls: list[tuple[str, dict[str, Any
             texts = []
             for name, args in calls:
                 result = await s.call_tool(name, args)
-                assert not result.is_error, result
+                assert not (check and result.is_error), result
                 texts.append("".join(c.text for c in result.content if c.type == "text"))
             return names, texts
 
@@ -94,3 +95,41 @@ def test_a_server_the_gateway_cannot_run_fails_the_create(server: Server) -> Non
         Sandbox.create(mcp={"nope": {}}, metadata={"test": tag}, timeout=120)
     left = Sandbox.list(query=SandboxQuery(metadata={"test": tag})).next_items()  # the SDK killed what it made
     assert left == []
+
+
+@pytest.mark.skipif(fake_internet() is None, reason="needs the run's fake internet (scripts/test.sh starts one)")
+def test_the_fetch_server_reaches_a_site_through_the_sandbox_egress(server: Server) -> None:
+    """The fake internet's sites are on documentation addresses, which the fetch server refuses by default as it
+    does private ones; `allowPrivateIps` (a KeepState setting) lets it fetch them."""
+    refusing = Sandbox.create(mcp={"fetch": {}}, timeout=300)
+    fetching = Sandbox.create(mcp={"fetch": {"allowPrivateIps": True}}, timeout=300)
+    try:
+        _, (refused,) = _use(*_endpoint(refusing, server), [("fetch", {"url": "http://plain.test/", "raw": True})],
+                             check=False)
+        assert "Refused to fetch" in refused, refused
+        names, (page,) = _use(*_endpoint(fetching, server), [("fetch", {"url": "http://plain.test/", "raw": True})])
+        assert "fetch" in names
+        assert "site plain.test" in page, page
+    finally:
+        refusing.kill()
+        fetching.kill()
+
+
+def test_add_mcp_server_in_a_template_build_checks_the_servers(e2b_env: None) -> None:
+    """`Template().from_template("mcp-gateway").add_mcp_server(...)` runs `mcp-gateway pull` as root at build: the
+    catalog's preinstalled servers pass, and a server this gateway cannot run fails the build, naming it."""
+    from e2b import Template
+    from e2b.exceptions import BuildException
+
+    name = f"ks-test-mcp-{uuid.uuid4().hex[:8]}"
+    Template.build(Template().from_template("mcp-gateway").add_mcp_server(["time", "fetch"]), name,
+                   cpu_count=1, memory_mb=1024)
+    sbx = Sandbox.create(name, mcp={"time": {}}, timeout=300)
+    try:
+        assert sbx.get_mcp_token()
+        assert sbx.commands.run("command -v mcp-server-time").exit_code == 0
+    finally:
+        sbx.kill()
+    with pytest.raises(BuildException, match="exa"):
+        Template.build(Template().from_template("mcp-gateway").add_mcp_server("exa"), name + "-bad",
+                       cpu_count=1, memory_mb=1024)

@@ -58,6 +58,11 @@ def _catalog(name: str, settings: dict[str, Any]) -> ServerSpec:
         if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
             raise ConfigError("server 'filesystem': `paths` must be a non-empty list of paths")
         args = [*args, *paths]
+    if name == "fetch":  # a KeepState setting (E2B's catalog has none): pages on private addresses, e.g. an intranet
+        allow = settings.get("allowPrivateIps", settings.get("allow_private_ips", False))
+        if not isinstance(allow, bool):
+            raise ConfigError("server 'fetch': `allowPrivateIps` must be true or false")
+        args = [*args, "--allow-private-ips"] if allow else args
     return ServerSpec(name, program, list(args), _strings(settings.get("envs"), f"server '{name}': `envs`"))
 
 
