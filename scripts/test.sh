@@ -72,9 +72,9 @@ wait_serving "$server" "$KEEPSTATE_TEST_API" "$logs"
 export KEEPSTATE_TEST_KEY=$(KEEPSTATE_HOME=$KEEPSTATE_TEST_HOME $BIN/keepstate keys create tests 2>/dev/null)
 
 status=0
-$BIN/python -m pytest -n 2 -p no:cacheprovider tests "$@" || status=$?
+$BIN/python -m pytest -n 2 -rs -p no:cacheprovider tests "$@" || status=$?
 echo "== agent tests in host mode: an agent process on this host behind a control-plane stub (/init, tokens)"
-env -u KEEPSTATE_TEST_API -u KEEPSTATE_TEST_KEY $BIN/python -m pytest -n 2 -p no:cacheprovider tests/agent \
+env -u KEEPSTATE_TEST_API -u KEEPSTATE_TEST_KEY $BIN/python -m pytest -n 2 -rs -p no:cacheprovider tests/agent \
   || status=$?
 # Clients that know only E2B_DOMAIN (the next major SDK drops E2B_API_URL and E2B_SANDBOX_URL): a server of its own
 # with TLS on 127.0.0.1:443 for the domain ks.test, whose names (api.ks.test, <port>-<id>.ks.test) only the
@@ -100,13 +100,13 @@ by_domain() {
     env -u E2B_API_URL -u E2B_SANDBOX_URL KEEPSTATE_AGENT_PYTHON=$PWD/$BIN/python "$@"
 }
 echo "== the whole SDK suite again, Python and JS, with only E2B_DOMAIN=$domain set (https://api.$domain)"
-by_domain $BIN/python -m pytest -n 2 \
+by_domain $BIN/python -m pytest -n 2 -rs \
   -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
 echo "== SDK tests (control plane, durability, commands, files, PTY) again with e2b==2.50.0, the last release on the v1 routes, by domain"
-by_domain .venv-e2b250/bin/python -m pytest \
+by_domain .venv-e2b250/bin/python -m pytest -rs \
   -n 2 -p no:cacheprovider -c tests/sdk/pytest.ini --rootdir . tests/sdk tests/agent || status=$?
 echo "== control-plane SDK tests again with e2b==2.45.0, which checks the API key's format before any request, by domain"
-by_domain .venv-e2b245/bin/python -m pytest -n 2 -p no:cacheprovider \
+by_domain .venv-e2b245/bin/python -m pytest -n 2 -rs -p no:cacheprovider \
   -c tests/sdk/pytest.ini --rootdir . tests/sdk/test_control_plane.py || status=$?
 kill -TERM "$d_server" "$d_dns" 2>/dev/null && wait "$d_server" 2>/dev/null || true
 d_server=
@@ -124,7 +124,7 @@ pg_server=$!
 wait_serving "$pg_server" "http://127.0.0.1:$pg_port" "$pg_logs"
 pg_key=$(KEEPSTATE_HOME=$pg_home KEEPSTATE_DB=$pg_url $BIN/keepstate keys create tests 2>/dev/null)
 KEEPSTATE_TEST_API=http://127.0.0.1:$pg_port KEEPSTATE_TEST_KEY=$pg_key KEEPSTATE_TEST_HOME=$pg_home \
-  $BIN/python -m pytest -n 2 -p no:cacheprovider tests/sdk/test_control_plane.py tests/sdk/test_durable.py \
+  $BIN/python -m pytest -n 2 -rs -p no:cacheprovider tests/sdk/test_control_plane.py tests/sdk/test_durable.py \
   tests/agent/test_commands.py tests/agent/test_files.py || status=$?
 kill -TERM "$pg_server" 2>/dev/null && wait "$pg_server" 2>/dev/null || true
 pg_server=

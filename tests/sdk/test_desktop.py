@@ -139,6 +139,8 @@ def test_the_stream_over_its_port_url_with_and_without_auth(desk: Sandbox, serve
     assert closed.value.code == 502
 
 
+@pytest.mark.skipif(DOMAIN is not None, reason="the main pass runs it; by domain, the stream over HTTPS is the test "
+                                               "above, and a pause or a fork does not depend on how a client is told")
 def test_a_desktop_with_a_page_open_survives_a_pause_and_its_forks_diverge(e2b_env: None, server: Server) -> None:
     desk = Sandbox.create(timeout=900)
     made = [desk]
