@@ -49,6 +49,11 @@ class Server:
             raw = r.read()
         return json.loads(raw) if raw else None
 
+    def added_bytes(self, sandbox_id: str) -> int:
+        """What the sandbox's latest checkpoint added to the store (`keepstate checkpoint ls`)."""
+        out = json.loads(subprocess.check_output([str(KEEPSTATE), "checkpoint", "ls", "--json"], env=self.env()))
+        return int([c for c in out if c["session_id"] == sandbox_id][-1]["stats"]["added_bytes"])
+
     def sdk_env(self) -> None:
         os.environ.update(E2B_API_URL=self.url, E2B_SANDBOX_URL=self.url, E2B_API_KEY=self.key,
                           NO_PROXY="127.0.0.1,localhost")

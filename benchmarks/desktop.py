@@ -15,23 +15,16 @@ Figures, each the median of --repeat:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import KEEPSTATE, row, server  # noqa: E402
+from common import row, server  # noqa: E402
 
 MiB = 1 << 20
 PAGE = "<title>bench</title><h1>a page kept across a pause</h1>"
-
-
-def added_mib(srv, sandbox_id: str) -> float:
-    out = json.loads(subprocess.check_output([str(KEEPSTATE), "checkpoint", "ls", "--json"], env=srv.env()))
-    return int([c for c in out if c["session_id"] == sandbox_id][-1]["stats"]["added_bytes"]) / MiB
 
 
 def desktop_round(srv) -> dict[str, float]:
@@ -55,7 +48,7 @@ def desktop_round(srv) -> dict[str, float]:
         desk.commands.run("for i in $(seq 120); do xdotool search --onlyvisible --name bench >/dev/null && break; "
                           "sleep 0.5; done")
         pause, resume = pause_resume(Sandbox, desk.sandbox_id)
-        stored = added_mib(srv, desk.sandbox_id)
+        stored = srv.added_bytes(desk.sandbox_id) / MiB
         return {"first": first, "shot": statistics.median(shots), "pause": pause, "resume": resume, "mib": stored}
     finally:
         Sandbox.kill(desk.sandbox_id)
@@ -76,7 +69,7 @@ def base_round(srv) -> dict[str, float]:
             runs.append(time.perf_counter() - t)
         pause, resume = pause_resume(Sandbox, sbx.sandbox_id)
         return {"first": first, "shot": statistics.median(runs), "pause": pause, "resume": resume,
-                "mib": added_mib(srv, sbx.sandbox_id)}
+                "mib": srv.added_bytes(sbx.sandbox_id) / MiB}
     finally:
         Sandbox.kill(sbx.sandbox_id)
 

@@ -15,22 +15,15 @@ Goal (issue 3): pause + resume of 256 MiB under 1 s, kept with the disk.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import KEEPSTATE, row, server  # noqa: E402
+from common import row, server  # noqa: E402
 
 MiB = 1 << 20
-
-
-def added_bytes(srv, sandbox_id: str) -> int:
-    out = json.loads(subprocess.check_output([str(KEEPSTATE), "checkpoint", "ls", "--json"], env=srv.env()))
-    return int([c for c in out if c["session_id"] == sandbox_id][-1]["stats"]["added_bytes"])
 
 
 def one(srv, mib: int, files_only: bool) -> tuple[float, float, int]:
@@ -44,7 +37,7 @@ def one(srv, mib: int, files_only: bool) -> tuple[float, float, int]:
         t = time.perf_counter()
         sbx.pause(mode="filesystem") if files_only else sbx.pause()
         pause_s = time.perf_counter() - t
-        stored = added_bytes(srv, sbx.sandbox_id)
+        stored = srv.added_bytes(sbx.sandbox_id)
         t = time.perf_counter()
         again = Sandbox.connect(sbx.sandbox_id)
         resume_s = time.perf_counter() - t

@@ -5,12 +5,12 @@
 
 import { after, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import http from 'node:http'
 
 import { Sandbox } from '@e2b/desktop'
 
+import { get } from './port_url.mjs'
+
 const STEP = { timeout: 180_000 }
-const server = new URL(process.env.KEEPSTATE_TEST_API ?? process.env.E2B_SANDBOX_URL) // plain HTTP, the router's
 
 const pngSize = (bytes) => {
   assert.deepEqual([...bytes.subarray(0, 8)], [0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a])
@@ -26,19 +26,6 @@ async function until(what, probe, ms = 90_000) {
     if (Date.now() > deadline) throw new Error(`gave up after ${ms / 1000} s waiting for ${what}`)
     await new Promise((resolve) => setTimeout(resolve, 500))
   }
-}
-
-// GET of a path on a port URL, through the server's own listener: { status, body }.
-function get(host, path) {
-  return new Promise((resolve, reject) => {
-    const req = http.get({ host: server.hostname, port: server.port, path, headers: { host } }, (res) => {
-      let body = ''
-      res.on('data', (c) => (body += c))
-      res.on('end', () => resolve({ status: res.statusCode, body }))
-    })
-    req.on('error', reject)
-    req.setTimeout(60_000, () => req.destroy(new Error('no answer in 60 s')))
-  })
 }
 
 describe('desktop (JS SDK)', () => {

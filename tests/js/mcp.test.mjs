@@ -9,8 +9,9 @@ import http from 'node:http'
 
 import { Sandbox } from 'e2b/dist/index.mjs'
 
+import { server } from './port_url.mjs'
+
 const STEP = { timeout: 180_000 }
-const server = new URL(process.env.KEEPSTATE_TEST_API ?? process.env.E2B_SANDBOX_URL) // plain HTTP, the router's
 
 // One JSON-RPC message to the MCP endpoint: { status, headers, message } (the message from JSON or from SSE).
 function rpc(host, path, headers, body) {

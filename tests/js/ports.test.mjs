@@ -5,25 +5,12 @@
 
 import { after, describe, it } from 'node:test'
 import assert from 'node:assert/strict'
-import http from 'node:http'
 
 import { Sandbox } from 'e2b/dist/index.mjs'
 
-const STEP = { timeout: 120_000 }
-const server = new URL(process.env.KEEPSTATE_TEST_API ?? process.env.E2B_SANDBOX_URL) // plain HTTP, the router's
+import { get } from './port_url.mjs'
 
-// GET / of a port URL through the server's listener: { status, body }.
-function get(host, headers = {}) {
-  return new Promise((resolve, reject) => {
-    const req = http.get({ host: server.hostname, port: server.port, path: '/', headers: { host, ...headers } }, (res) => {
-      let body = ''
-      res.on('data', (c) => (body += c))
-      res.on('end', () => resolve({ status: res.statusCode, body }))
-    })
-    req.on('error', reject)
-    req.setTimeout(60_000, () => req.destroy(new Error('no answer in 60 s')))
-  })
-}
+const STEP = { timeout: 120_000 }
 
 describe('port URLs (JS SDK)', () => {
   let sbx
@@ -39,7 +26,7 @@ describe('port URLs (JS SDK)', () => {
     const deadline = Date.now() + 60_000
     let answer
     for (;;) {
-      answer = await get(host, token)
+      answer = await get(host, '/', token)
       if (answer.status === 200 || Date.now() > deadline) break
       await new Promise((resolve) => setTimeout(resolve, 250))
     }
